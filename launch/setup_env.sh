@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Create (or reuse) the CPU virtual environment and install megatron-grpo into it.
+# torch is pinned to the CPU build 2.13.0 *before* anything else: megatron-core's bare 'torch'
+# requirement would otherwise pull a multi-GB CUDA build.
+#   VENV=path  (default .venv in the repository root)
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${VENV:-$ROOT/.venv}"
+PY="${PYTHON:-python3}"
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating virtual environment $VENV"
+  "$PY" -m venv "$VENV"
+fi
+pip_q() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@"; }
+if ! "$VENV/bin/python" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
+  echo "[setup] installing torch==2.13.0 (CPU build)"
+  pip_q torch==2.13.0
+fi
+if ! "$VENV/bin/python" -c 'import megatron_grpo, megatron.core, pytest, transformers' 2>/dev/null; then
+  echo "[setup] installing megatron-grpo with megatron-core==0.16.1 and test extras"
+  pip_q -e "$ROOT[test]"
+fi
+echo "[setup] ready: $VENV ($("$VENV/bin/python" -c 'import torch, megatron.core as m; print("torch", torch.__version__, "megatron-core", m.__version__)'))"

@@ -1,0 +1,1 @@
+"""Collectives and their byte accounting."""

@@ -1,0 +1,118 @@
+"""Metrics sinks: JSONL file, TensorBoard, and a rank-0 progress line.
+
+Call sites log through ``MetricsLogger`` without branches: ranks that do not write metrics get
+sinks that do nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+from typing import Dict, List, Optional
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (Linux reports ru_maxrss in KiB)."""
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+class MetricsSink:
+    """Does nothing; subclasses write somewhere."""
+
+    def write(self, record: Dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class JsonlSink(MetricsSink):
+    """One JSON object per line; flushed per record so a killed run keeps what it logged."""
+
+    def __init__(self, path: str, append: bool) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self._fh = open(path, "a" if append else "w")
+
+    def write(self, record: Dict) -> None:
+        self._fh.write(json.dumps(record, sort_keys=True) + "\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+class TensorBoardSink(MetricsSink):
+    """Every numeric field of a record becomes a scalar at step ``iteration``."""
+
+    def __init__(self, log_dir: str) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(log_dir=log_dir)
+
+    def write(self, record: Dict) -> None:
+        step = record.get("iteration", 0)
+        for key, value in record.items():
+            if key == "iteration" or isinstance(value, bool):
+                continue
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                self._writer.add_scalar(key, value, step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class MetricsLogger:
+    """Fans records out to sinks and prints a progress line every ``log_interval`` iterations."""
+
+    def __init__(self, sinks: List[MetricsSink], log_interval: int, total_iters: int,
+                 print_progress: bool, run_name: str = "run") -> None:
+        self.sinks = sinks
+        self.log_interval = log_interval
+        self.total_iters = total_iters
+        self.print_progress = print_progress
+        self.run_name = run_name
+        self._started = time.perf_counter()
+        self._first_iter: Optional[int] = None
+
+    @classmethod
+    def create(cls, enabled: bool, metrics_file: Optional[str], tensorboard_dir: Optional[str],
+               log_interval: int, total_iters: int, run_name: str, append: bool) -> "MetricsLogger":
+        sinks: List[MetricsSink] = []
+        if enabled and metrics_file:
+            sinks.append(JsonlSink(metrics_file, append=append))
+        if enabled and tensorboard_dir:
+            sinks.append(TensorBoardSink(tensorboard_dir))
+        return cls(sinks, log_interval, total_iters, enabled, run_name)
+
+    def log(self, record: Dict) -> None:
+        for sink in self.sinks:
+            sink.write(record)
+        it = record["iteration"]
+        if self._first_iter is None:
+            self._first_iter = it - 1
+        if self.print_progress and (it % self.log_interval == 0 or it == self.total_iters
+                                    or "val_loss" in record):
+            self._progress(record)
+
+    def _progress(self, r: Dict) -> None:
+        it = r["iteration"]
+        done = it - self._first_iter
+        elapsed = time.perf_counter() - self._started
+        eta = elapsed / max(done, 1) * (self.total_iters - it)
+        parts = [f"[{self.run_name}] iter {it:>5}/{self.total_iters}",
+                 f"loss {r['loss']:.4f}", f"lr {r['lr']:.2e}",
+                 f"{r['step_time_s'] * 1000:.0f} ms/it", f"{r['tokens_per_s']:.0f} tok/s",
+                 f"wire {r['wire_bytes'] / 1e6:.3f} MB"]
+        if "val_loss" in r:
+            parts.append(f"val {r['val_loss']:.4f}")
+        parts.append(f"ETA {eta:.0f}s")
+        print(" | ".join(parts), flush=True, file=sys.stdout)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()

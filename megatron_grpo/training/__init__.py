@@ -1,0 +1,1 @@
+"""The training run: config, builders, step, checkpointing, loop."""

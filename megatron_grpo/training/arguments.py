@@ -1,0 +1,223 @@
+"""Command line + YAML -> PretrainConfig, with errors that name the flag.
+
+Precedence: dataclass defaults < ``--config FILE.yaml`` < flags given on the command line.
+Flags are generated from the config dataclasses, so a new field is a new flag with its
+docstring as help text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import os
+import typing
+from typing import Any, Dict, List, Optional, Sequence
+
+import yaml
+
+from megatron_grpo.training.config import SECTIONS, PretrainConfig
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration problem; the message names the flag/field and the fix."""
+
+
+def field_docs(cls) -> Dict[str, str]:
+    """Docstrings written under dataclass fields (``x: int = 1`` followed by ``\"\"\"doc\"\"\"``)."""
+    try:
+        tree = ast.parse(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    docs: Dict[str, str] = {}
+    body = tree.body[0].body
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def flag_name(field_name: str, prefix: str = "") -> str:
+    return "--" + prefix + field_name.replace("_", "-")
+
+
+def _base_type(tp):
+    """(scalar type, is_list) for Optional[X], List[X] and X annotations."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _base_type(args[0])
+    if origin in (list, List):
+        return typing.get_args(tp)[0], True
+    return tp, False
+
+
+def _sections(cfg) -> List[tuple]:
+    """(section name, dataclass instance, flag prefix) for every section of ``cfg``."""
+    out = []
+    for name in getattr(cfg, "SECTION_ORDER", SECTIONS):
+        sub = getattr(cfg, name)
+        out.append((name, sub, getattr(sub, "FLAG_PREFIX", "")))
+    return out
+
+
+def build_parser(cfg: PretrainConfig, prog: Optional[str] = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="megatron-grpo GPT pretraining",
+                                     allow_abbrev=False)
+    parser.add_argument("--config", default=None, help="YAML file with any of the fields below; "
+                        "flags given on the command line override it.")
+    for section, sub, prefix in _sections(cfg):
+        group = parser.add_argument_group(section)
+        docs = field_docs(type(sub))
+        hints = typing.get_type_hints(type(sub))
+        for f in dataclasses.fields(sub):
+            base, is_list = _base_type(hints[f.name])
+            kw: Dict[str, Any] = dict(dest=f"{section}.{f.name}", default=argparse.SUPPRESS,
+                                      help=docs.get(f.name, ""))
+            if base is bool:
+                kw["action"] = argparse.BooleanOptionalAction
+            else:
+                kw["type"] = base
+                kw["metavar"] = base.__name__.upper()
+                if is_list:
+                    kw["nargs"] = "+"
+            group.add_argument(flag_name(f.name, prefix), **kw)
+    return parser
+
+
+def _coerce(value, tp, where: str):
+    base, is_list = _base_type(tp)
+    if value is None:
+        return None
+    if is_list:
+        if isinstance(value, str):
+            value = value.split()
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_coerce(v, base, where) for v in value]
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    try:
+        if base is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError
+        return base(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: expected {base.__name__}, got {value!r}") from None
+
+
+def _apply_yaml(cfg: PretrainConfig, path: str) -> None:
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config: file not found: {path}")
+    with open(path) as fh:
+        try:
+            data = yaml.safe_load(fh) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--config {path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: top level must be a mapping of flag names to values")
+    index = {}
+    for section, sub, prefix in _sections(cfg):
+        for f in dataclasses.fields(sub):
+            index[(prefix + f.name).replace("-", "_")] = (section, sub, f)
+    hints_cache: Dict[type, dict] = {}
+    for key, value in data.items():
+        norm = str(key).replace("-", "_")
+        if norm not in index:
+            raise ConfigError(f"--config {path}: unknown setting '{key}' (flag "
+                              f"{flag_name(norm)} does not exist; see --help)")
+        section, sub, f = index[norm]
+        hints = hints_cache.setdefault(type(sub), typing.get_type_hints(type(sub)))
+        setattr(sub, f.name, _coerce(value, hints[f.name], f"--config {path}: '{key}'"))
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, cfg: Optional[PretrainConfig] = None,
+               world_size: Optional[int] = None) -> PretrainConfig:
+    """Parse ``argv`` into ``cfg`` (a fresh PretrainConfig by default) and validate it."""
+    cfg = cfg if cfg is not None else PretrainConfig()
+    parser = build_parser(cfg)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        raise ConfigError(f"unknown flag(s): {' '.join(unknown)} (see --help for accepted flags)")
+    if args.config:
+        _apply_yaml(cfg, args.config)
+    for dest, value in vars(args).items():
+        if dest == "config":
+            continue
+        section, name = dest.split(".", 1)
+        setattr(getattr(cfg, section), name, value)
+    validate(cfg, world_size)
+    return cfg
+
+
+def validate(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
+    """Raise ConfigError naming the flag for any inconsistent setting."""
+    m, p, o, t, d, c, lg = (cfg.model, cfg.parallel, cfg.optimizer, cfg.training, cfg.data,
+                            cfg.checkpoint, cfg.logging)
+    positive = {
+        "--num-layers": m.num_layers, "--hidden-size": m.hidden_size,
+        "--num-attention-heads": m.num_attention_heads, "--seq-length": m.seq_length,
+        "--micro-batch-size": t.micro_batch_size, "--global-batch-size": t.global_batch_size,
+        "--train-iters": t.train_iters, "--tensor-model-parallel-size": p.tensor_model_parallel_size,
+        "--pipeline-model-parallel-size": p.pipeline_model_parallel_size,
+        "--log-interval": lg.log_interval, "--eval-interval": lg.eval_interval,
+        "--make-vocab-size-divisible-by": m.make_vocab_size_divisible_by,
+    }
+    for flag, value in positive.items():
+        if value is None or value <= 0:
+            raise ConfigError(f"{flag} must be a positive integer, got {value}")
+    if lg.eval_iters < 0:
+        raise ConfigError(f"--eval-iters must be >= 0, got {lg.eval_iters}")
+    if m.hidden_size % m.num_attention_heads:
+        raise ConfigError(f"--hidden-size ({m.hidden_size}) must be divisible by "
+                          f"--num-attention-heads ({m.num_attention_heads})")
+    if m.num_attention_heads % p.tensor_model_parallel_size:
+        raise ConfigError(f"--num-attention-heads ({m.num_attention_heads}) must be divisible by "
+                          f"--tensor-model-parallel-size ({p.tensor_model_parallel_size})")
+    if m.num_layers % p.pipeline_model_parallel_size:
+        raise ConfigError(f"--num-layers ({m.num_layers}) must be divisible by "
+                          f"--pipeline-model-parallel-size ({p.pipeline_model_parallel_size})")
+    if m.max_position_embeddings is not None and m.max_position_embeddings < m.seq_length:
+        raise ConfigError(f"--max-position-embeddings ({m.max_position_embeddings}) must be >= "
+                          f"--seq-length ({m.seq_length})")
+    for flag, value in (("--hidden-dropout", m.hidden_dropout), ("--attention-dropout", m.attention_dropout)):
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"{flag} must be in [0, 1), got {value}")
+    if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
+        raise ConfigError(f"--lr must be > 0 and 0 <= --min-lr <= --lr (got lr={o.lr}, min_lr={o.min_lr})")
+    if o.lr_warmup_iters < 0:
+        raise ConfigError(f"--lr-warmup-iters must be >= 0, got {o.lr_warmup_iters}")
+    if o.lr_decay_style not in ("cosine", "linear", "constant"):
+        raise ConfigError(f"--lr-decay-style must be cosine, linear or constant, got {o.lr_decay_style!r}")
+    if o.clip_grad < 0:
+        raise ConfigError(f"--clip-grad must be >= 0, got {o.clip_grad}")
+    if not d.data_path:
+        raise ConfigError("--data-path is required (a prefix written by launch/preprocess_data.py)")
+    try:
+        parts = [float(x) for x in d.split.replace("/", ",").split(",")]
+        if len(parts) != 3 or min(parts) < 0 or parts[0] <= 0 or parts[1] <= 0:
+            raise ValueError
+    except ValueError:
+        raise ConfigError(f"--split must be three non-negative numbers 'train,valid,test' with train "
+                          f"and valid > 0, got {d.split!r}") from None
+    if c.save_interval is not None and c.save_interval <= 0:
+        raise ConfigError(f"--save-interval must be a positive integer, got {c.save_interval}")
+    if c.save_interval is not None and not c.save:
+        raise ConfigError("--save-interval needs --save DIR")
+    if t.exit_after_iter is not None and t.exit_after_iter <= 0:
+        raise ConfigError(f"--exit-after-iter must be positive, got {t.exit_after_iter}")
+    if world_size is not None:
+        mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+        if world_size % mp:
+            raise ConfigError(f"world size {world_size} is not divisible by --tensor-model-parallel-size"
+                              f" x --pipeline-model-parallel-size = {mp}")
+        dp = world_size // mp
+        if t.global_batch_size % (t.micro_batch_size * dp):
+            raise ConfigError(f"--global-batch-size ({t.global_batch_size}) must be a multiple of "
+                              f"--micro-batch-size x data-parallel size ({t.micro_batch_size} x {dp})")
+    for extra in getattr(cfg, "EXTRA_VALIDATORS", ()):
+        extra(cfg, world_size)

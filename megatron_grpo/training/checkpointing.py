@@ -1,0 +1,230 @@
+"""Save and resume through megatron-core dist_checkpointing (torch_dist), atomically and checked.
+
+Layout of ``--save DIR``::
+
+    DIR/latest_checkpointed_iteration.txt    the newest *complete* checkpoint (written last)
+    DIR/iter_0000100/                          dist_checkpointing files + common.pt
+    DIR/iter_0000100/rng/rank_00000.pt         per-rank RNG state
+    DIR/iter_0000100/megatron_grpo_manifest.json  every file with its size and CRC32
+
+A checkpoint is written into ``iter_N.tmp`` and renamed to ``iter_N`` only after every rank
+has finished and the manifest is written, so a crash mid-save never replaces or corrupts a
+complete checkpoint. ``--load`` verifies the manifest before reading a byte of state.
+
+Traps of megatron-core 0.16.1 handled here (see docs/design.md):
+* the default ``fully_sharded_model_space`` fails at save on CPU; we use ``dp_reshardable``;
+* a fresh torch Adam has no state, and DistributedOptimizer.state_dict() asserts on it;
+* after load every param shares one ``step`` tensor that ``dp_reshardable`` resets to the
+  template value (0): resume would silently diverge, so per-param steps are restored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import zlib
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_grpo.training.model import optimizer_list, unwrap
+
+TRACKER = "latest_checkpointed_iteration.txt"
+MANIFEST = "megatron_grpo_manifest.json"
+SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used; the message names the file and what to do."""
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def _files_under(root: str) -> List[str]:
+    out = []
+    for base, _, files in os.walk(root):
+        for name in files:
+            if name != MANIFEST:
+                out.append(os.path.relpath(os.path.join(base, name), root))
+    return sorted(out)
+
+
+def _rng_state() -> Dict:
+    import random
+
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    return {"python": random.getstate(), "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+
+def _set_rng_state(state: Dict) -> None:
+    import random
+
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _sharded_state(built, is_loading: bool) -> Dict:
+    model_sd = unwrap(built.ddp_model[0]).sharded_state_dict(metadata=SHARDING)
+    return {
+        "model": model_sd,
+        "optimizer": built.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                        metadata=SHARDING),
+    }
+
+
+def save_checkpoint(root: str, iteration: int, built, common: Dict) -> str:
+    """Collective: every rank calls it. ``common`` holds plain values (iteration, data position,
+    scheduler state, extra component state); rank 0 writes it. Returns the final directory."""
+    from megatron.core import dist_checkpointing
+
+    rank = dist.get_rank()
+    final = iteration_dir(root, iteration)
+    tmp = final + ".tmp"
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        if os.path.exists(tmp):  # left by a crashed save: never complete, safe to drop
+            shutil.rmtree(tmp)
+        os.makedirs(os.path.join(tmp, "rng"))
+    dist.barrier()
+    state = _sharded_state(built, is_loading=False)
+    state["common"] = dict(common, iteration=iteration, world_size=dist.get_world_size(),
+                           format_version=FORMAT_VERSION)
+    dist_checkpointing.save(state, tmp)
+    rng_path = os.path.join(tmp, "rng", f"rank_{rank:05d}.pt")
+    torch.save(_rng_state(), rng_path + ".part")
+    os.replace(rng_path + ".part", rng_path)
+    dist.barrier()
+    if rank == 0:
+        files = {f: {"size": os.path.getsize(os.path.join(tmp, f)), "crc32": _crc32(os.path.join(tmp, f))}
+                 for f in _files_under(tmp)}
+        _atomic_write_text(os.path.join(tmp, MANIFEST), json.dumps(
+            {"iteration": iteration, "world_size": dist.get_world_size(), "files": files,
+             "format_version": FORMAT_VERSION}, indent=1, sort_keys=True))
+        if os.path.exists(final):  # re-saving the same iteration: replace only once complete
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _atomic_write_text(os.path.join(root, TRACKER), str(iteration))
+    dist.barrier()
+    return final
+
+
+def latest_iteration(root: str) -> int:
+    tracker = os.path.join(root, TRACKER)
+    if not os.path.isfile(tracker):
+        raise CheckpointError(
+            f"--load {root}: no {TRACKER} there (rank {_rank()}). Point --load at a directory "
+            f"written by --save, or drop --load to start from scratch.")
+    text = open(tracker).read().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"--load {root}: {tracker} holds {text!r}, not an iteration number "
+                              f"(rank {_rank()}); write the iteration of a complete iter_* directory into it.")
+    return int(text)
+
+
+def verify_checkpoint(ckpt_dir: str) -> Dict:
+    """Check every file listed in the manifest (size and CRC32). Returns the manifest."""
+    manifest_path = os.path.join(ckpt_dir, MANIFEST)
+    if not os.path.isfile(manifest_path):
+        raise CheckpointError(f"{manifest_path} is missing (rank {_rank()}): the checkpoint is "
+                              f"incomplete. Load an earlier iter_* directory by writing its iteration "
+                              f"into {TRACKER}.")
+    try:
+        manifest = json.load(open(manifest_path))
+    except ValueError as exc:
+        raise CheckpointError(f"{manifest_path} is not valid JSON (rank {_rank()}): {exc}") from None
+    for name, info in manifest["files"].items():
+        path = os.path.join(ckpt_dir, name)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"checkpoint file {path} is missing (rank {_rank()}); the "
+                                  f"checkpoint is damaged, load an earlier one.")
+        if os.path.getsize(path) != info["size"] or _crc32(path) != info["crc32"]:
+            raise CheckpointError(f"checkpoint file {path} is corrupted (size/CRC32 differ from "
+                                  f"{MANIFEST}; rank {_rank()}); load an earlier checkpoint.")
+    return manifest
+
+
+def _prefill_optimizer_state(built) -> None:
+    """A fresh torch Adam has no per-param state, and DistributedOptimizer.state_dict() asserts
+    one common ``step``; give every param zero state so the load template can be built."""
+    for opt in optimizer_list(built.optimizer):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if len(inner.state[p]) == 0:
+                    inner.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
+                                          exp_avg_sq=torch.zeros_like(p))
+
+
+def _restore_per_param_steps(built) -> None:
+    """After load all params share one ``step`` tensor reset to the template value; rebuild a
+    per-param step from the loaded param-group step (torch Adam's bias correction uses it)."""
+    for opt in optimizer_list(built.optimizer):
+        for group in opt.optimizer.param_groups:
+            if "step" not in group:
+                continue
+            for p in group["params"]:
+                opt.optimizer.state[p]["step"] = torch.tensor(float(group["step"]))
+
+
+def load_checkpoint(root: str, built, iteration: Optional[int] = None) -> Dict:
+    """Collective: restore model, optimizer and RNG. Returns the saved ``common`` dict."""
+    from megatron.core import dist_checkpointing
+
+    iteration = latest_iteration(root) if iteration is None else iteration
+    ckpt_dir = iteration_dir(root, iteration)
+    if not os.path.isdir(ckpt_dir):
+        raise CheckpointError(f"--load {root}: {TRACKER} names iteration {iteration} but {ckpt_dir} "
+                              f"does not exist (rank {_rank()}).")
+    verify_checkpoint(ckpt_dir)
+    _prefill_optimizer_state(built)
+    template = _sharded_state(built, is_loading=True)
+    template["common"] = {}
+    loaded = dist_checkpointing.load(template, ckpt_dir)
+    unwrap(built.ddp_model[0]).load_state_dict(loaded["model"])
+    # fp32 main params are views of leaf model params: in-place copies need no_grad.
+    with torch.no_grad():
+        built.optimizer.load_state_dict(loaded["optimizer"])
+    _restore_per_param_steps(built)
+    common = loaded.get("common", {})
+    rng_path = os.path.join(ckpt_dir, "rng", f"rank_{dist.get_rank():05d}.pt")
+    if common.get("world_size") == dist.get_world_size() and os.path.isfile(rng_path):
+        _set_rng_state(torch.load(rng_path, weights_only=False))
+    return common
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0

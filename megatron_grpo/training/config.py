@@ -1,0 +1,157 @@
+"""Configuration of a pretraining run: dataclasses with a docstring per field.
+
+Every field becomes a Megatron-LM style flag (``num_layers`` -> ``--num-layers``); the field's
+docstring is its ``--help`` text. A YAML file (``--config``) may set any field by the same
+name (dashes or underscores); flags given explicitly on the command line override the file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the GPT model (megatron-core GPTModel)."""
+
+    num_layers: int = 4
+    """Number of transformer layers."""
+    hidden_size: int = 128
+    """Transformer hidden size."""
+    num_attention_heads: int = 4
+    """Number of attention heads; must divide hidden_size."""
+    ffn_hidden_size: Optional[int] = None
+    """MLP hidden size; default 4 * hidden_size."""
+    seq_length: int = 128
+    """Tokens per training sample."""
+    max_position_embeddings: Optional[int] = None
+    """Learned position embedding table size; default seq_length."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the tokenizer's vocabulary to a multiple of this (times tensor parallel size)."""
+    init_method_std: float = 0.02
+    """Standard deviation of the weight initialisation."""
+    hidden_dropout: float = 0.0
+    """Dropout after attention/MLP (0 keeps CPU runs deterministic)."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities."""
+
+
+@dataclass
+class ParallelConfig:
+    """Model parallel layout; data parallel size = world size / (TP * PP)."""
+
+    tensor_model_parallel_size: int = 1
+    """Tensor model parallel size (TP)."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline model parallel size (PP)."""
+    ddp_bucket_size: Optional[int] = None
+    """Elements per DDP gradient bucket; default megatron's max(4e7, 1e6 * dp)."""
+    overlap_grad_reduce: bool = True
+    """Overlap data-parallel gradient reduce-scatter with the backward pass (megatron DDP)."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state over data-parallel ranks (megatron DistributedOptimizer)."""
+
+
+@dataclass
+class OptimizerSettings:
+    """Adam and learning-rate schedule."""
+
+    lr: float = 1e-3
+    """Peak learning rate."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the decay."""
+    lr_warmup_iters: int = 20
+    """Linear warm-up iterations."""
+    lr_decay_style: str = "cosine"
+    """Decay after warm-up: cosine, linear or constant."""
+    lr_decay_iters: Optional[int] = None
+    """Iterations over which lr decays; default train_iters."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.95
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clipping threshold (0 disables)."""
+
+
+@dataclass
+class TrainingSettings:
+    """Batches, iterations, precision and seed."""
+
+    micro_batch_size: int = 4
+    """Samples per micro-batch per data-parallel rank."""
+    global_batch_size: int = 16
+    """Samples per optimizer step over all data-parallel ranks (a multiple of mbs * dp)."""
+    train_iters: int = 300
+    """Optimizer steps to run (in total, counting steps done before --load)."""
+    seed: int = 1234
+    """Random seed for initialisation and data order."""
+    bf16: bool = False
+    """Train in bf16 with fp32 master weights (megatron mixed precision)."""
+    cpu: bool = False
+    """Force CPU mode (gloo) even where CUDA is available."""
+    exit_after_iter: Optional[int] = None
+    """Stop (as if killed) after this iteration; for resume tests and dry runs."""
+
+
+@dataclass
+class DataSettings:
+    """Where training text comes from (megatron indexed datasets)."""
+
+    data_path: List[str] = field(default_factory=list)
+    """Dataset prefixes (PREFIX.bin/.idx from launch/preprocess_data.py), optionally weighted: 'W1 P1 W2 P2'."""
+    split: str = "98,2,0"
+    """Train/validation/test split by document, as in Megatron-LM."""
+    data_cache_dir: Optional[str] = None
+    """Where megatron writes dataset index caches; default <first prefix>_cache."""
+
+
+@dataclass
+class CheckpointSettings:
+    """Saving and resuming (megatron dist_checkpointing, torch_dist format)."""
+
+    save: Optional[str] = None
+    """Directory to save checkpoints to."""
+    save_interval: Optional[int] = None
+    """Save every this many iterations (and at the end)."""
+    load: Optional[str] = None
+    """Directory to resume from (its latest complete checkpoint)."""
+
+
+@dataclass
+class LoggingSettings:
+    """Metrics, evaluation and progress output."""
+
+    log_interval: int = 10
+    """Print a progress line on rank 0 every this many iterations."""
+    eval_interval: int = 100
+    """Evaluate validation loss every this many iterations (and at the end)."""
+    eval_iters: int = 10
+    """Validation micro-batch steps (global batches) per evaluation."""
+    metrics_file: Optional[str] = None
+    """JSONL file, one record per iteration (written by the last rank of data-parallel rank 0)."""
+    tensorboard_dir: Optional[str] = None
+    """Directory for TensorBoard event files."""
+    run_name: str = "run"
+    """Name printed in the summary and stored in metrics records."""
+
+
+@dataclass
+class PretrainConfig:
+    """One whole pretraining run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+    training: TrainingSettings = field(default_factory=TrainingSettings)
+    data: DataSettings = field(default_factory=DataSettings)
+    checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
+    logging: LoggingSettings = field(default_factory=LoggingSettings)
+
+
+SECTIONS = ("model", "parallel", "optimizer", "training", "data", "checkpoint", "logging")

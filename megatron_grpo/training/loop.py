@@ -1,0 +1,188 @@
+"""The pretraining run: build everything, train, evaluate, checkpoint, log, summarise.
+
+``run(cfg)`` is what launch/pretrain_gpt.py calls on every rank (started by torchrun).
+Hooks (``RunHooks``) let a component such as GRPO wrap the optimizer, see every step and add
+metrics and checkpoint state without branches in this loop.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_grpo.comm.wire import wire_counter
+from megatron_grpo.metrics import MetricsLogger, peak_rss_bytes
+from megatron_grpo.platform import select_platform
+from megatron_grpo.training import checkpointing
+from megatron_grpo.training.config import PretrainConfig
+from megatron_grpo.training.model import (build_model, data_parallel_info, init_distributed,
+                                          is_metrics_rank, model_parallel_init, optional_device_peak)
+from megatron_grpo.training.step import ForwardStep, evaluate, microbatch_layout, train_step
+
+
+@dataclass
+class RunHooks:
+    """Extension points of a run; the defaults do nothing (the megatron baseline)."""
+
+    optimizer_factory: Optional[Callable] = None
+    """(OptimizerConfig, model_chunks) -> optimizer; default megatron's get_megatron_optimizer."""
+    after_build: Callable = lambda built: None
+    """Called once the model, DDP and optimizer exist (before --load)."""
+    before_step: Callable = lambda iteration: None
+    """Called before each training step."""
+    step_metrics: Callable = lambda iteration: {}
+    """Extra fields for the iteration's metrics record (called after the step)."""
+    checkpoint_state: Callable = lambda: {}
+    """Extra plain state stored in checkpoints."""
+    load_state: Callable = lambda state: None
+    """Restores what checkpoint_state returned."""
+
+
+@dataclass
+class RunSummary:
+    """What a finished run reports (on the metrics rank; other ranks get Nones)."""
+
+    run_name: str
+    iterations: int
+    first_loss: Optional[float] = None
+    last_loss: Optional[float] = None
+    val_loss: Optional[float] = None
+    tokens_per_s: Optional[float] = None
+    wire_bytes_per_step: Optional[float] = None
+    median_step_time_s: Optional[float] = None
+    peak_rss_bytes: Optional[int] = None
+    num_params: int = 0
+    records: List[Dict] = field(default_factory=list)
+
+
+def _median(xs: List[float]) -> Optional[float]:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[len(s) // 2]
+
+
+def run(cfg: PretrainConfig, hooks: Optional[RunHooks] = None) -> RunSummary:
+    hooks = hooks or RunHooks()
+    t, lg = cfg.training, cfg.logging
+    platform = select_platform(force_cpu=t.cpu, local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+    # Import megatron's buffer module before installing the counter so its import-time
+    # reference to reduce_scatter/all_gather is rebound to the counting wrappers.
+    import megatron.core.distributed.param_and_grad_buffer  # noqa: F401
+    import megatron.core.pipeline_parallel.p2p_communication  # noqa: F401
+
+    counter = wire_counter()
+    init_distributed(platform)
+    model_parallel_init(cfg)
+
+    from megatron_grpo.data import (MicroBatchIterator, build_gpt_datasets, parse_data_prefix,
+                                    read_meta, tokenizer_from_meta)
+
+    meta = read_meta(parse_data_prefix(cfg.data.data_path)[0][0])
+    tokenizer = tokenizer_from_meta(meta)
+    dp_rank, dp_size = data_parallel_info()
+    mbs, gbs, seq = t.micro_batch_size, t.global_batch_size, cfg.model.seq_length
+    num_mb, _ = microbatch_layout(gbs, mbs, dp_size)
+    train_ds, valid_ds = build_gpt_datasets(
+        data_prefix=cfg.data.data_path, split=cfg.data.split, seq_length=seq, seed=t.seed,
+        train_samples=t.train_iters * gbs, valid_samples=max(lg.eval_iters, 1) * gbs,
+        cache_dir=cfg.data.data_cache_dir, tokenizer=tokenizer)
+
+    built = build_model(cfg, platform, tokenizer.vocab_size, hooks.optimizer_factory)
+    hooks.after_build(built)
+
+    start_iter, consumed = 0, 0
+    if cfg.checkpoint.load:
+        common = checkpointing.load_checkpoint(cfg.checkpoint.load, built)
+        start_iter = int(common["iteration"])
+        consumed = int(common["consumed_samples"])
+        built.scheduler.load_state_dict(common["scheduler"])
+        hooks.load_state(common.get("extensions", {}))
+
+    train_iter = MicroBatchIterator(train_ds, consumed, mbs, dp_rank, dp_size)
+    forward_step = ForwardStep(seq, platform.device)
+    writer = is_metrics_rank()
+    logger = MetricsLogger.create(writer, lg.metrics_file, lg.tensorboard_dir, lg.log_interval,
+                                  t.train_iters, lg.run_name, append=start_iter > 0)
+    summary = RunSummary(lg.run_name, t.train_iters, num_params=built.num_params)
+    if dist.get_rank() == 0:
+        print(f"[{lg.run_name}] platform={platform.backend}/{platform.device} spec={built.spec_name} "
+              f"world={dist.get_world_size()} tp={cfg.parallel.tensor_model_parallel_size} "
+              f"pp={cfg.parallel.pipeline_model_parallel_size} dp={dp_size} "
+              f"params/rank={built.num_params} vocab={built.vocab_size} start_iter={start_iter}",
+              flush=True)
+
+    step_times: List[float] = []
+    counter.reset()
+    iteration = start_iter
+    while iteration < t.train_iters:
+        hooks.before_step(iteration)
+        t0 = time.perf_counter()
+        result = train_step(forward_step, train_iter, built, num_mb, seq, mbs)
+        built.scheduler.step(increment=gbs)
+        step_time = time.perf_counter() - t0
+        iteration += 1
+        wire = counter.reset()
+        step_times.append(step_time)
+        record = {
+            "iteration": iteration, "run": lg.run_name, "loss": result.loss,
+            "lr": built.optimizer.param_groups[0]["lr"], "grad_norm": result.grad_norm,
+            "step_time_s": step_time, "tokens_per_s": gbs * seq / step_time,
+            "wire_bytes": wire["total"],
+            "wire_bytes_grad_reduce": wire["by_op"].get("reduce_scatter_tensor", 0)
+            + wire["by_op"].get("_reduce_scatter_base", 0),
+            "wire_bytes_param_gather": wire["by_op"].get("all_gather_into_tensor", 0)
+            + wire["by_op"].get("_all_gather_base", 0),
+            "wire_bytes_logging": wire["by_tag"].get("logging", 0),
+            "consumed_samples": train_iter.consumed_samples,
+            "peak_rss_bytes": peak_rss_bytes(),
+            "skipped": not result.update_successful,
+        }
+        device_peak = optional_device_peak(platform)
+        if device_peak is not None:
+            record["peak_device_bytes"] = device_peak
+        record.update(hooks.step_metrics(iteration))
+        if iteration % lg.eval_interval == 0 or iteration == t.train_iters:
+            if lg.eval_iters > 0:
+                valid_iter = MicroBatchIterator(valid_ds, 0, mbs, dp_rank, dp_size)
+                val = evaluate(forward_step, valid_iter, built, lg.eval_iters, num_mb, seq, mbs)
+                counter.reset()  # evaluation traffic is not part of any training step
+                if val is not None:
+                    record["val_loss"] = val
+                    summary.val_loss = val
+        save_due = cfg.checkpoint.save and (
+            iteration == t.train_iters
+            or (cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0))
+        if save_due:
+            checkpointing.save_checkpoint(cfg.checkpoint.save, iteration, built, {
+                "consumed_samples": train_iter.consumed_samples,
+                "scheduler": built.scheduler.state_dict(),
+                "extensions": hooks.checkpoint_state(),
+            })
+            counter.reset()
+        if writer:
+            logger.log(record)
+            summary.records.append(record)
+        if t.exit_after_iter is not None and iteration >= t.exit_after_iter:
+            break
+    logger.close()
+    if writer and summary.records:
+        recs = summary.records
+        summary.first_loss, summary.last_loss = recs[0]["loss"], recs[-1]["loss"]
+        summary.median_step_time_s = _median(step_times[1:] or step_times)
+        summary.tokens_per_s = gbs * seq / summary.median_step_time_s
+        warm = recs[1:] or recs
+        summary.wire_bytes_per_step = sum(r["wire_bytes"] for r in warm) / len(warm)
+        summary.peak_rss_bytes = peak_rss_bytes()
+    return summary
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -1,0 +1,229 @@
+"""Builders: process groups, megatron-core GPTModel, DDP, optimizer and lr schedule.
+
+Only real megatron-core classes are built here; on CPU they run under CPU mode
+(megatron_grpo.platform.cpu), which must be enabled before this module builds anything.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_grpo.platform import Platform
+from megatron_grpo.training.config import PretrainConfig
+
+
+def init_distributed(platform: Platform, timeout_s: int = 600) -> None:
+    """Join the torchrun job (env:// rendezvous). A single process gets a 1-rank group,
+    because megatron's dataset builder and optimizer call torch.distributed unconditionally."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group(platform.backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def padded_vocab_size(vocab_size: int, cfg: PretrainConfig) -> int:
+    """Megatron-LM's rule: pad to a multiple of make_vocab_size_divisible_by * TP."""
+    multiple = cfg.model.make_vocab_size_divisible_by * cfg.parallel.tensor_model_parallel_size
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def transformer_config(cfg: PretrainConfig, platform: Platform):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    m, p = cfg.model, cfg.parallel
+    dtype = torch.bfloat16 if cfg.training.bf16 else torch.float32
+    return TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        # Initialise on CPU then move: identical weights for every TP/PP layout (and the only
+        # option in CPU mode).
+        use_cpu_initialization=True,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=cfg.training.bf16,
+        init_method_std=m.init_method_std,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        # Fused kernels need CUDA/apex; the local spec's unfused paths are exact on CPU.
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def layer_spec(platform: Platform):
+    """Transformer-engine spec when TE is importable on CUDA, megatron's local spec otherwise."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if not platform.cpu_mode:
+        try:
+            import transformer_engine  # noqa: F401
+
+            return specs.get_gpt_layer_with_transformer_engine_spec(), "transformer_engine"
+        except ImportError:
+            pass
+    return specs.get_gpt_layer_local_spec(), "local"
+
+
+@dataclass
+class BuiltModel:
+    """Everything the training loop needs, as megatron-core built it."""
+
+    ddp_model: list
+    """Model chunks wrapped in megatron DDP (one chunk: no virtual pipeline)."""
+    optimizer: object
+    """megatron optimizer (DistributedOptimizer inside a ChainedOptimizer or alone)."""
+    scheduler: object
+    """megatron OptimizerParamScheduler."""
+    tf_config: object
+    """megatron TransformerConfig."""
+    vocab_size: int
+    """Padded vocabulary size of the model."""
+    num_params: int
+    """Parameters held by this rank."""
+    spec_name: str
+    """'local' or 'transformer_engine'."""
+
+
+def build_model(cfg: PretrainConfig, platform: Platform, tokenizer_vocab_size: int,
+                optimizer_factory=None) -> BuiltModel:
+    """GPTModel -> megatron DDP -> megatron optimizer (or ``optimizer_factory``'s)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    tf_config = transformer_config(cfg, platform)
+    spec, spec_name = layer_spec(platform)
+    vocab = padded_vocab_size(tokenizer_vocab_size, cfg)
+    model = GPTModel(
+        config=tf_config,
+        transformer_layer_spec=spec,
+        vocab_size=vocab,
+        max_sequence_length=cfg.model.max_position_embeddings or cfg.model.seq_length,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+    )
+    if not platform.cpu_mode:
+        model = model.to(platform.device)
+    num_params = sum(p.numel() for p in model.parameters())
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        bucket_size=cfg.parallel.ddp_bucket_size,
+    )
+    ddp = DistributedDataParallel(tf_config, ddp_config, model)
+    o = cfg.optimizer
+    opt_config = OptimizerConfig(
+        optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+        clip_grad=o.clip_grad, bf16=cfg.training.bf16,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+    )
+    factory = optimizer_factory or (lambda oc, chunks: get_megatron_optimizer(oc, chunks))
+    optimizer = factory(opt_config, [ddp])
+    scheduler = build_scheduler(cfg, optimizer)
+    # The pipeline schedules call these hooks: grad sync on the last micro-batch only,
+    # cross-rank grad finalisation, and loss scaling (1.0 in fp32/bf16).
+    tf_config.no_sync_func = ddp.no_sync
+    tf_config.finalize_model_grads_func = finalize_model_grads
+    tf_config.grad_scale_func = optimizer.scale_loss
+    return BuiltModel([ddp], optimizer, scheduler, tf_config, vocab, num_params, spec_name)
+
+
+def build_scheduler(cfg: PretrainConfig, optimizer):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    o, t = cfg.optimizer, cfg.training
+    decay_iters = o.lr_decay_iters or t.train_iters
+    # The scheduler counts samples when given sample counts; we step it once per iteration with
+    # increment=global_batch_size, as Megatron-LM does.
+    g = t.global_batch_size
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        lr_warmup_steps=o.lr_warmup_iters * g,
+        lr_decay_steps=max(decay_iters, o.lr_warmup_iters + 1) * g,
+        lr_decay_style=o.lr_decay_style,
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=decay_iters * g,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=True,
+        override_opt_param_scheduler=False,
+    )
+
+
+def model_parallel_init(cfg: PretrainConfig) -> None:
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size,
+            pipeline_model_parallel_size=cfg.parallel.pipeline_model_parallel_size,
+        )
+    # Seeds the default generator (CPU init) and megatron's model-parallel RNG tracker, so
+    # replicated weights are equal on every TP rank and TP-split ones come from one full tensor.
+    torch.manual_seed(cfg.training.seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(cfg.training.seed)
+
+
+def local_params(built: BuiltModel) -> List[torch.nn.Parameter]:
+    return [p for chunk in built.ddp_model for p in chunk.module.parameters()]
+
+
+def optimizer_list(optimizer) -> list:
+    """The megatron optimizers inside a ChainedOptimizer (or the optimizer itself)."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def unwrap(chunk):
+    return getattr(chunk, "module", chunk)
+
+
+def data_parallel_info() -> tuple:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+
+
+def is_metrics_rank() -> bool:
+    """The rank that holds the loss and writes metrics: last PP stage, TP rank 0, DP rank 0."""
+    from megatron.core import parallel_state as ps
+
+    return (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_data_parallel_rank() == 0)
+
+
+def optional_device_peak(platform: Platform) -> Optional[int]:
+    if platform.cpu_mode:
+        return None
+    return int(torch.cuda.max_memory_allocated())

@@ -1,0 +1,33 @@
+"""megatron-grpo packaging.
+
+CPU set-up (developers, CI):   pip install torch==2.13.0 && pip install -e .[test]
+GPU cluster:                   pip install -e .[gpu]   (into an environment with a CUDA torch)
+
+torch is NOT pinned here on purpose: on a GPU cluster it comes with the site's CUDA build, and a
+bare 'torch' requirement would pull a multi-GB CUDA build onto CPU machines. The CPU path
+(launch/setup_env.sh, .ci/run) installs torch==2.13.0 explicitly first. apex is a source build
+on GPU clusters (see docs/launch.md); the PyPI package named 'apex' is unrelated, never install it.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-grpo",
+    version="0.1.0",
+    description="Gradient-aware Resource Partitioning Optimization (GRPO) for megatron-core pretraining",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_grpo", "megatron_grpo.*"]),
+    install_requires=[
+        "megatron-core==0.16.1",
+        "numpy",
+        "psutil",  # dist_checkpointing needs it but the megatron-core wheel does not declare it
+        "pyyaml",
+        "tensorboard",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "transformers"],
+        "gpu": ["transformer-engine[pytorch]"],
+    },
+)
