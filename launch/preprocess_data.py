@@ -64,7 +64,8 @@ def main(argv=None) -> int:
             tok = build_tokenizer(args.tokenizer_model)
             meta = preprocess(args.input, args.output_prefix, tokenizer=tok, seed=args.seed,
                               doc_chars=args.doc_chars)
-            print(f"wrote {args.output_prefix}.bin/.idx/.meta.json: {describe(meta)} in {time.time() - t0:.1f} s")
+            print(f"wrote {args.output_prefix}.bin/.idx/.meta.json: {describe(meta)} "
+                  f"in {time.time() - t0:.1f} s")
     except (FileNotFoundError, ValueError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -226,8 +226,17 @@ class WireCounter:
         counter = self
 
         def wrapper(*args, **kwargs):
+            # A collective can re-enter its public function (torch-function dispatch, e.g.
+            # under CPU mode's TorchFunctionMode): count the outermost call only.
+            local = counter._local
+            if getattr(local, "inside", False):
+                return original(*args, **kwargs)
             counter.record(name, int(rule(args, kwargs)))
-            return original(*args, **kwargs)
+            local.inside = True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                local.inside = False
 
         wrapper.__name__ = name
         wrapper.__qualname__ = name

@@ -32,7 +32,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_grpo.data.preprocess import dataset_paths, sha256_file
+from megatron_grpo.data.preprocess import dataset_paths, read_meta, sha256_file
 from megatron_grpo.data.tokenizer import Tokenizer, tokenizer_from_meta
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -131,8 +131,6 @@ def _check_splits(prefix: str, split: str, seq_length: int, valid_samples: int) 
 
 
 def _read_meta_if_any(prefix: str) -> Optional[Dict[str, Any]]:
-    import json
-
     bin_path, idx_path, meta_path = dataset_paths(prefix)
     for path in (bin_path, idx_path):
         if not os.path.isfile(path):
@@ -140,8 +138,7 @@ def _read_meta_if_any(prefix: str) -> Optional[Dict[str, Any]]:
                                     f"`python launch/preprocess_data.py --input ... --output-prefix {prefix}`")
     if not os.path.isfile(meta_path):
         return None  # e.g. written by Megatron-LM's own tools: usable, just less checked
-    with open(meta_path, encoding="utf-8") as fh:
-        return json.load(fh)
+    return read_meta(prefix)
 
 
 def _content_key(prefixes: Sequence[str], metas: Sequence[Optional[Dict[str, Any]]]) -> str:
@@ -180,15 +177,17 @@ def build_gpt_datasets(
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     prefixes, weights = parse_data_prefix(data_prefix)
     split = normalize_split(split)
-    if weights is not None and not torch.distributed.is_initialized():
+    blended = len(prefixes) > 1 or weights is not None
+    if blended and not torch.distributed.is_initialized():
         # megatron's BlendedDataset calls torch.distributed.get_rank() unguarded.
-        raise RuntimeError("a weighted data_prefix needs torch.distributed initialized (a 1-rank gloo "
-                           "group is enough for a single process)")
+        raise RuntimeError(f"data_prefix {list(data_prefix)} is a blend, which needs torch.distributed "
+                           f"initialized (a 1-rank gloo group is enough for a single process)")
 
     metas = [_read_meta_if_any(p) for p in prefixes]
     if tokenizer is None:
         if metas[0] is None:
-            raise ValueError(f"{prefixes[0]}.meta.json is missing, so the tokenizer is unknown: pass tokenizer=")
+            raise ValueError(f"{prefixes[0]}.meta.json is missing, so the tokenizer is unknown: "
+                             f"pass tokenizer=")
         tokenizer = tokenizer_from_meta(metas[0], where=dataset_paths(prefixes[0])[2])
     for prefix, meta in zip(prefixes, metas):
         if meta is None:
@@ -254,7 +253,8 @@ class MicroBatchIterator:
         data_parallel_rank: int,
         data_parallel_size: int,
     ) -> None:
-        for name, value, low in (("consumed_samples", consumed_samples, 0), ("micro_batch_size", micro_batch_size, 1),
+        for name, value, low in (("consumed_samples", consumed_samples, 0),
+                                 ("micro_batch_size", micro_batch_size, 1),
                                  ("data_parallel_size", data_parallel_size, 1)):
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"MicroBatchIterator: {name} must be an integer >= {low}, got {value!r}")

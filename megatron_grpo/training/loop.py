@@ -139,6 +139,7 @@ def run(cfg: PretrainConfig, hooks: Optional[RunHooks] = None) -> RunSummary:
             "wire_bytes_param_gather": wire["by_op"].get("all_gather_into_tensor", 0)
             + wire["by_op"].get("_all_gather_base", 0),
             "wire_bytes_logging": wire["by_tag"].get("logging", 0),
+            "wire_calls": wire["calls"], "wire_by_tag": wire["by_tag"],
             "consumed_samples": train_iter.consumed_samples,
             "peak_rss_bytes": peak_rss_bytes(),
             "skipped": not result.update_successful,

@@ -1,0 +1,87 @@
+"""Analytic data-parallel traffic of megatron-core's DDP + distributed optimizer.
+
+Independent of the counting wrappers (megatron_grpo.comm.wire): this re-derives, from the
+model's parameter shapes, how megatron-core 0.16.1 lays parameters into grad-buffer buckets
+and what each step's reduce-scatter + all-gather must send. Tests compare it with the counted
+bytes; the planner uses it for large models.
+
+Megatron's layout rules (distributed/param_and_grad_buffer.py):
+* parameters are taken in reverse ``named_parameters()`` order;
+* with the distributed optimizer each parameter starts at a multiple of 64 elements, and each
+  bucket's end is padded to a multiple of lcm(dp, 128);
+* a bucket closes once it holds >= bucket_size elements (a parameter is never split);
+  without a bucket size (no overlap) everything is one bucket.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence, Tuple
+
+
+def _pad(n: int, divisor: int) -> int:
+    return int(math.ceil(n / divisor) * divisor)
+
+
+def gpt_param_numels(num_layers: int, hidden: int, ffn_hidden: int, vocab_padded: int,
+                     max_position: int, tp: int = 1, pre_process: bool = True,
+                     post_process: bool = True) -> List[int]:
+    """Parameter sizes of megatron-core's GPTModel (local spec, learned absolute positions,
+    untied output layer) on one tensor-parallel rank, in ``named_parameters()`` order."""
+    h, f = hidden, ffn_hidden
+    out: List[int] = []
+    if pre_process:
+        out += [vocab_padded // tp * h, max_position * h]
+    layer = [h, h,                       # input_layernorm weight, bias
+             h * h // tp, h,             # linear_proj (row parallel) weight, bias
+             3 * h // tp * h, 3 * h // tp,  # linear_qkv (column parallel) weight, bias
+             h, h,                       # pre_mlp_layernorm weight, bias
+             f // tp * h, f // tp,       # linear_fc1 (column parallel) weight, bias
+             h * f // tp, h]             # linear_fc2 (row parallel) weight, bias
+    out += layer * num_layers
+    if post_process:
+        out += [h, h, vocab_padded // tp * h]  # final_layernorm weight, bias; output_layer
+    return out
+
+
+def ddp_bucket_numels(param_numels: Sequence[int], bucket_size: Optional[int], dp: int,
+                      distributed_optimizer: bool = True) -> List[int]:
+    """Padded element count of every DDP bucket, in buffer order."""
+    buckets: List[int] = []
+    bucket_start = 0
+    start = 0
+    end = 0
+    open_bucket = False
+    for numel in reversed(list(param_numels)):
+        if distributed_optimizer:
+            start = _pad(start, 64)
+        end = start + numel
+        open_bucket = True
+        if bucket_size is not None and end - bucket_start >= bucket_size:
+            closed = _pad(end, math.lcm(dp, 128)) if distributed_optimizer else end
+            buckets.append(closed - bucket_start)
+            bucket_start = start = closed
+            open_bucket = False
+        else:
+            start = end
+    if open_bucket:
+        closed = _pad(end, math.lcm(dp, 128)) if distributed_optimizer else end
+        buckets.append(closed - bucket_start)
+    return buckets
+
+
+def baseline_step_bytes(bucket_numels: Sequence[int], dp: int, grad_bytes: int = 4,
+                        param_bytes: int = 4, distributed_optimizer: bool = True) -> Tuple[int, int]:
+    """(gradient bytes, parameter bytes) one rank sends per step under the ring model.
+
+    Distributed optimizer: reduce-scatter of each gradient bucket, (dp-1)/dp of it, and the
+    all-gather of updated parameters, the same share of the parameter bucket. Without it: one
+    all-reduce of each gradient bucket, 2 (dp-1)/dp, and no parameter traffic.
+    """
+    if dp <= 1:
+        return 0, 0
+    if distributed_optimizer:
+        grads = sum((dp - 1) * (n // dp) * grad_bytes for n in bucket_numels)
+        params = sum((dp - 1) * (n // dp) * param_bytes for n in bucket_numels)
+        return grads, params
+    return sum((2 * (dp - 1) * n * grad_bytes) // dp for n in bucket_numels), 0
