@@ -162,7 +162,7 @@ def validate(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
         "--num-layers": m.num_layers, "--hidden-size": m.hidden_size,
         "--num-attention-heads": m.num_attention_heads, "--seq-length": m.seq_length,
         "--micro-batch-size": t.micro_batch_size, "--global-batch-size": t.global_batch_size,
-        "--train-iters": t.train_iters, "--tensor-model-parallel-size": p.tensor_model_parallel_size,
+        "--tensor-model-parallel-size": p.tensor_model_parallel_size,
         "--pipeline-model-parallel-size": p.pipeline_model_parallel_size,
         "--log-interval": lg.log_interval, "--eval-interval": lg.eval_interval,
         "--make-vocab-size-divisible-by": m.make_vocab_size_divisible_by,
@@ -170,6 +170,11 @@ def validate(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
     for flag, value in positive.items():
         if value is None or value <= 0:
             raise ConfigError(f"{flag} must be a positive integer, got {value}")
+    if t.train_iters < 0:
+        raise ConfigError(f"--train-iters must be >= 0, got {t.train_iters}")
+    if c.load and c.init_from:
+        raise ConfigError("--load (resume a run) and --init-from (start from weights) exclude each "
+                          "other; give one")
     if lg.eval_iters < 0:
         raise ConfigError(f"--eval-iters must be >= 0, got {lg.eval_iters}")
     if m.hidden_size % m.num_attention_heads:

@@ -118,12 +118,16 @@ def save_checkpoint(root: str, iteration: int, built, common: Dict) -> str:
         os.makedirs(root, exist_ok=True)
         if os.path.exists(tmp):  # left by a crashed save: never complete, safe to drop
             shutil.rmtree(tmp)
-        os.makedirs(os.path.join(tmp, "rng"))
+        os.makedirs(tmp)
     dist.barrier()
+    # Params never stepped (a seed checkpoint at iteration 0) have no Adam state yet; zero
+    # state with step 0 is exactly what torch Adam would create on its first step.
+    _prefill_optimizer_state(built)
     state = _sharded_state(built, is_loading=False)
     state["common"] = dict(common, iteration=iteration, world_size=dist.get_world_size(),
                            format_version=FORMAT_VERSION)
     dist_checkpointing.save(state, tmp)
+    os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
     rng_path = os.path.join(tmp, "rng", f"rank_{rank:05d}.pt")
     torch.save(_rng_state(), rng_path + ".part")
     os.replace(rng_path + ".part", rng_path)
@@ -224,6 +228,29 @@ def load_checkpoint(root: str, built, iteration: Optional[int] = None) -> Dict:
     if common.get("world_size") == dist.get_world_size() and os.path.isfile(rng_path):
         _set_rng_state(torch.load(rng_path, weights_only=False))
     return common
+
+
+def load_model_weights(path: str, built) -> int:
+    """Load only the model weights (any TP/PP layout) from ``path``: a checkpoint root (its
+    latest iteration) or one ``iter_*`` directory. Optimizer state, iteration and data position
+    start fresh; this is how different parallel layouts start from identical weights (a seed
+    checkpoint) and how converted checkpoints are used. Returns the checkpoint's iteration."""
+    from megatron.core import dist_checkpointing
+
+    if os.path.isfile(os.path.join(path, TRACKER)):
+        path = iteration_dir(path, latest_iteration(path))
+    if not os.path.isdir(path):
+        raise CheckpointError(f"--init-from {path}: no such checkpoint directory (rank {_rank()}).")
+    manifest = verify_checkpoint(path)
+    template = {"model": unwrap(built.ddp_model[0]).sharded_state_dict(metadata=SHARDING)}
+    loaded = dist_checkpointing.load(template, path)
+    unwrap(built.ddp_model[0]).load_state_dict(loaded["model"])
+    # The distributed optimizer keeps fp32 main copies of bf16 params: refresh them.
+    for opt in optimizer_list(built.optimizer):
+        reload = getattr(opt, "reload_model_params", None)
+        if reload is not None:
+            reload()
+    return int(manifest["iteration"])
 
 
 def _rank() -> int:

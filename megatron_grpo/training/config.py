@@ -88,7 +88,8 @@ class TrainingSettings:
     global_batch_size: int = 16
     """Samples per optimizer step over all data-parallel ranks (a multiple of mbs * dp)."""
     train_iters: int = 300
-    """Optimizer steps to run (in total, counting steps done before --load)."""
+    """Optimizer steps to run (in total, counting steps done before --load); 0 with --save
+    writes the initial weights as a seed checkpoint and exits."""
     seed: int = 1234
     """Random seed for initialisation and data order."""
     bf16: bool = False
@@ -121,6 +122,9 @@ class CheckpointSettings:
     """Save every this many iterations (and at the end)."""
     load: Optional[str] = None
     """Directory to resume from (its latest complete checkpoint)."""
+    init_from: Optional[str] = None
+    """Start from the model weights of this checkpoint (any TP/PP layout), with fresh optimizer,
+    iteration 0 and data position 0. --train-iters 0 --save DIR writes such a seed checkpoint."""
 
 
 @dataclass

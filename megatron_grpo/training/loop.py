@@ -90,7 +90,7 @@ def run(cfg: PretrainConfig, hooks: Optional[RunHooks] = None) -> RunSummary:
     num_mb, _ = microbatch_layout(gbs, mbs, dp_size)
     train_ds, valid_ds = build_gpt_datasets(
         data_prefix=cfg.data.data_path, split=cfg.data.split, seq_length=seq, seed=t.seed,
-        train_samples=t.train_iters * gbs, valid_samples=max(lg.eval_iters, 1) * gbs,
+        train_samples=max(t.train_iters, 1) * gbs, valid_samples=max(lg.eval_iters, 1) * gbs,
         cache_dir=cfg.data.data_cache_dir, tokenizer=tokenizer)
 
     built = build_model(cfg, platform, tokenizer.vocab_size, hooks.optimizer_factory)
@@ -103,6 +103,8 @@ def run(cfg: PretrainConfig, hooks: Optional[RunHooks] = None) -> RunSummary:
         consumed = int(common["consumed_samples"])
         built.scheduler.load_state_dict(common["scheduler"])
         hooks.load_state(common.get("extensions", {}))
+    elif cfg.checkpoint.init_from:
+        checkpointing.load_model_weights(cfg.checkpoint.init_from, built)
 
     train_iter = MicroBatchIterator(train_ds, consumed, mbs, dp_rank, dp_size)
     forward_step = ForwardStep(seq, platform.device)
@@ -117,6 +119,11 @@ def run(cfg: PretrainConfig, hooks: Optional[RunHooks] = None) -> RunSummary:
               f"params/rank={built.num_params} vocab={built.vocab_size} start_iter={start_iter}",
               flush=True)
 
+    if cfg.checkpoint.save and start_iter == 0 and t.train_iters == 0:
+        # A seed checkpoint: the initial weights, for runs in other layouts to --init-from.
+        checkpointing.save_checkpoint(cfg.checkpoint.save, 0, built, {
+            "consumed_samples": 0, "scheduler": built.scheduler.state_dict(),
+            "extensions": hooks.checkpoint_state()})
     step_times: List[float] = []
     counter.reset()
     iteration = start_iter

@@ -94,8 +94,18 @@ def test_tp2_matches_tp1(stdlib_data, dp1_reference, tmp_path):
 
 
 def test_pp2_matches_pp1(stdlib_data, dp1_reference, tmp_path):
+    """Each pipeline stage draws its initial weights from its own RNG stream (as in
+    Megatron-LM), so PP=2 starts from a seed checkpoint written by a PP=1 process: the
+    torchtitan way to compare layouts. From identical weights the losses must agree."""
+    from harness import run_training
+
+    seed = tmp_path / "seed"
+    run_training(1, [*SMALL_MODEL, "--data-path", stdlib_data, "--train-iters", "0",
+                     "--save", str(seed)])
+    assert (seed / "iter_0000000" / "megatron_grpo_manifest.json").is_file()
     pp2 = train_and_read(tmp_path, "pp2", 2, [*SMALL_MODEL, "--data-path", stdlib_data,
                                               "--train-iters", "8", "--eval-interval", "8",
-                                              "--pipeline-model-parallel-size", "2"])
+                                              "--pipeline-model-parallel-size", "2",
+                                              "--init-from", str(seed)])
     _assert_close(losses(pp2), losses(dp1_reference), 1e-4)
     assert abs(pp2[-1]["val_loss"] - dp1_reference[-1]["val_loss"]) < 1e-3
