@@ -40,7 +40,9 @@ def field_docs(cls) -> Dict[str, str]:
     return docs
 
 
-def flag_name(field_name: str, prefix: str = "") -> str:
+def flag_name(field_name: str, prefix: str = "", overrides: Optional[Dict[str, str]] = None) -> str:
+    if overrides and field_name in overrides:
+        return overrides[field_name]
     return "--" + prefix + field_name.replace("_", "-")
 
 
@@ -84,7 +86,7 @@ def build_parser(cfg: PretrainConfig, prog: Optional[str] = None) -> argparse.Ar
                 kw["metavar"] = base.__name__.upper()
                 if is_list:
                     kw["nargs"] = "+"
-            group.add_argument(flag_name(f.name, prefix), **kw)
+            group.add_argument(flag_name(f.name, prefix, getattr(sub, "FLAG_NAMES", None)), **kw)
     return parser
 
 
@@ -123,7 +125,8 @@ def _apply_yaml(cfg: PretrainConfig, path: str) -> None:
     index = {}
     for section, sub, prefix in _sections(cfg):
         for f in dataclasses.fields(sub):
-            index[(prefix + f.name).replace("-", "_")] = (section, sub, f)
+            flag = flag_name(f.name, prefix, getattr(sub, "FLAG_NAMES", None))
+            index[flag[2:].replace("-", "_")] = (section, sub, f)
     hints_cache: Dict[type, dict] = {}
     for key, value in data.items():
         norm = str(key).replace("-", "_")
@@ -224,5 +227,9 @@ def validate(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
         if t.global_batch_size % (t.micro_batch_size * dp):
             raise ConfigError(f"--global-batch-size ({t.global_batch_size}) must be a multiple of "
                               f"--micro-batch-size x data-parallel size ({t.micro_batch_size} x {dp})")
-    for extra in getattr(cfg, "EXTRA_VALIDATORS", ()):
-        extra(cfg, world_size)
+    from megatron_grpo.config import GRPOConfigError
+
+    try:
+        cfg.grpo.validate(world_size)
+    except GRPOConfigError as exc:
+        raise ConfigError(str(exc)) from None

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from megatron_grpo.config import GRPOConfig
+
 
 @dataclass
 class ModelConfig:
@@ -156,6 +158,7 @@ class PretrainConfig:
     data: DataSettings = field(default_factory=DataSettings)
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
     logging: LoggingSettings = field(default_factory=LoggingSettings)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
 
-SECTIONS = ("model", "parallel", "optimizer", "training", "data", "checkpoint", "logging")
+SECTIONS = ("model", "parallel", "optimizer", "training", "data", "checkpoint", "logging", "grpo")

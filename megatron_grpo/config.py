@@ -1,0 +1,121 @@
+"""GRPOConfig: every setting of Gradient-aware Resource Partitioning Optimization.
+
+Each field is a ``--grpo-<name>`` flag (``enabled`` is ``--grpo``) with its docstring as help.
+``validate()`` runs before any process-group work and names the field, the accepted range and
+the value it got.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+TIERS = ("core", "dynamic", "stable")
+COMPRESSORS = ("int4", "int8", "topk")
+STABLE_MODES = ("frozen", "delayed")
+
+
+class GRPOConfigError(ValueError):
+    """A GRPO setting is out of range; the message names the flag and the accepted values."""
+
+
+@dataclass
+class GRPOConfig:
+    """Gradient-aware Resource Partitioning Optimization (not Group Relative Policy Optimization)."""
+
+    FLAG_PREFIX = "grpo-"
+    FLAG_NAMES = {"enabled": "--grpo"}
+
+    enabled: bool = False
+    """Turn GRPO on: tiered communication/compute inside megatron DDP and the distributed optimizer."""
+    core_share: float = 0.15
+    """Share of parameters in the core tier (exact communication every step)."""
+    dynamic_share: float = 0.65
+    """Share of parameters in the dynamic tier (compressed communication with error feedback)."""
+    stable_share: float = 0.20
+    """Share of parameters in the stable tier (frozen between its rare updates)."""
+    bucket_mb: float = 128.0
+    """Size of a tier unit (one DDP gradient bucket) in MB of fp32 gradients."""
+    warmup_iters: int = 100
+    """Exact (baseline) steps that gather importance before the first tiering."""
+    retier_interval: int = 500
+    """Iterations between re-tierings after warm-up."""
+    importance_interval: int = 1
+    """Measure importance every this many iterations."""
+    importance_decay: float = 0.9
+    """EMA decay of the importance score (weight of the previous value)."""
+    hysteresis: float = 0.1
+    """Relative score margin a bucket must cross before it changes tier (no flapping)."""
+    compressor: str = "int4"
+    """Dynamic-tier compressor: int4 (~8:1 vs fp32), int8 (~4:1) or topk."""
+    compress_chunk: int = 256
+    """Elements sharing one fp32 scale in int4/int8 quantisation."""
+    topk_ratio: float = 0.05
+    """Share of elements the top-k compressor keeps."""
+    compress_param_gather: bool = True
+    """Send dynamic buckets' parameter updates quantised (owner keeps exact master weights)."""
+    stable_interval: int = 10
+    """The stable tier is updated (wgrad, sync, optimizer step) every this many iterations."""
+    stable_mode: str = "frozen"
+    """frozen: no weight-gradient compute between updates; delayed: gradients accumulate locally."""
+    gvr_interval: int = 10
+    """Measure GVR (gradient variance ratio) every this many iterations."""
+    gvr_min: float = 0.7
+    """Lower end of the healthy GVR range."""
+    gvr_max: float = 1.2
+    """Upper end of the healthy GVR range."""
+    gvr_window: int = 3
+    """Consecutive out-of-range GVR checks that trigger remediation."""
+    remediation_promote: float = 0.25
+    """Share of dynamic buckets (the worst by GVR contribution) promoted to core on remediation."""
+    max_dynamic_share: float = 0.70
+    """Guard: the dynamic tier never holds more than this share of parameters."""
+
+    def validate(self, world_size: Optional[int] = None) -> None:
+        def fail(field: str, accepted: str, value) -> None:
+            flag = self.FLAG_NAMES.get(field, "--" + self.FLAG_PREFIX + field.replace("_", "-"))
+            raise GRPOConfigError(f"{flag} must be {accepted}, got {value!r}")
+
+        for name in ("core_share", "dynamic_share", "stable_share"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                fail(name, "in [0, 1]", value)
+        total = self.core_share + self.dynamic_share + self.stable_share
+        if abs(total - 1.0) > 1e-6:
+            raise GRPOConfigError(
+                f"--grpo-core-share + --grpo-dynamic-share + --grpo-stable-share must sum to 1, got "
+                f"{self.core_share} + {self.dynamic_share} + {self.stable_share} = {total:g}")
+        if not self.bucket_mb > 0:
+            fail("bucket_mb", "a positive number of MB", self.bucket_mb)
+        for name in ("retier_interval", "importance_interval", "stable_interval",
+                     "gvr_interval", "gvr_window", "compress_chunk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                fail(name, "a positive integer", value)
+        if not isinstance(self.warmup_iters, int) or self.warmup_iters < 0:
+            fail("warmup_iters", "an integer >= 0", self.warmup_iters)
+        if not 0.0 <= self.importance_decay < 1.0:
+            fail("importance_decay", "in [0, 1)", self.importance_decay)
+        if not 0.0 <= self.hysteresis < 1.0:
+            fail("hysteresis", "in [0, 1)", self.hysteresis)
+        if self.compressor not in COMPRESSORS:
+            fail("compressor", "one of " + ", ".join(COMPRESSORS), self.compressor)
+        if not 0.0 < self.topk_ratio <= 1.0:
+            fail("topk_ratio", "in (0, 1]", self.topk_ratio)
+        if self.stable_mode not in STABLE_MODES:
+            fail("stable_mode", "one of " + ", ".join(STABLE_MODES), self.stable_mode)
+        if not 0.0 < self.gvr_min < self.gvr_max:
+            raise GRPOConfigError(f"--grpo-gvr-min and --grpo-gvr-max must satisfy 0 < min < max, "
+                                  f"got {self.gvr_min} and {self.gvr_max}")
+        if not 0.0 < self.remediation_promote <= 1.0:
+            fail("remediation_promote", "in (0, 1]", self.remediation_promote)
+        if not 0.0 <= self.max_dynamic_share <= 1.0:
+            fail("max_dynamic_share", "in [0, 1]", self.max_dynamic_share)
+        if self.dynamic_share > self.max_dynamic_share:
+            raise GRPOConfigError(f"--grpo-dynamic-share ({self.dynamic_share}) exceeds "
+                                  f"--grpo-max-dynamic-share ({self.max_dynamic_share})")
+
+    @property
+    def bucket_elements(self) -> int:
+        """DDP bucket size in elements (fp32 gradients: 4 bytes each)."""
+        return max(1, int(self.bucket_mb * 1024 * 1024 / 4))

@@ -1,0 +1,76 @@
+"""Flags, YAML configs and their errors: each message names the flag and the fix."""
+
+import pytest
+
+from megatron_grpo.training.arguments import ConfigError, parse_args
+
+DATA = ["--data-path", "data/x"]
+
+
+def test_defaults_and_flag_override_yaml(tmp_path):
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("num-layers: 6\nhidden_size: 256\nlr: 0.01\ngrpo: true\ngrpo-stable-interval: 7\n")
+    cfg = parse_args(["--config", str(cfg_file), "--hidden-size", "64", *DATA])
+    assert cfg.model.num_layers == 6          # from the file
+    assert cfg.model.hidden_size == 64        # the explicit flag wins
+    assert cfg.optimizer.lr == 0.01
+    assert cfg.grpo.enabled is True and cfg.grpo.stable_interval == 7
+    assert cfg.model.seq_length == 128        # dataclass default
+    assert cfg.data.data_path == ["data/x"]
+
+
+def test_shipped_configs_parse():
+    import glob
+
+    files = sorted(glob.glob("launch/configs/*.yaml"))
+    assert "launch/configs/tiny.yaml" in files and len(files) >= 5
+    for f in files:
+        parse_args(["--config", f, *DATA])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-layer", "2"], "unknown flag(s): --num-layer"),
+    (["--hidden-size", "100", "--num-attention-heads", "3"], "--hidden-size (100) must be divisible by --num-attention-heads (3)"),
+    (["--micro-batch-size", "0"], "--micro-batch-size must be a positive integer, got 0"),
+    (["--lr", "1e-3", "--min-lr", "1e-2"], "--lr must be > 0 and 0 <= --min-lr <= --lr"),
+    (["--split", "98,2"], "--split must be three non-negative numbers"),
+    (["--save-interval", "10"], "--save-interval needs --save DIR"),
+    (["--lr-decay-style", "step"], "--lr-decay-style must be cosine, linear or constant, got 'step'"),
+    (["--load", "a", "--init-from", "b"], "--load (resume a run) and --init-from (start from weights) exclude each other"),
+    (["--grpo-bucket-mb", "0"], "--grpo-bucket-mb must be a positive number of MB, got 0.0"),
+    (["--grpo-retier-interval", "0"], "--grpo-retier-interval must be a positive integer, got 0"),
+    (["--grpo-compressor", "int3"], "--grpo-compressor must be one of int4, int8, topk, got 'int3'"),
+    (["--grpo-core-share", "0.3"], "must sum to 1"),
+    (["--grpo-stable-mode", "lazy"], "--grpo-stable-mode must be one of frozen, delayed, got 'lazy'"),
+    (["--grpo-gvr-min", "1.5"], "--grpo-gvr-min and --grpo-gvr-max must satisfy 0 < min < max"),
+])
+def test_bad_flags_name_the_flag(argv, message):
+    with pytest.raises(ConfigError) as err:
+        parse_args([*argv, *DATA])
+    assert message in str(err.value)
+
+
+def test_layout_errors_need_world_size():
+    with pytest.raises(ConfigError, match=r"world size 3 is not divisible by --tensor-model-parallel-size x "
+                                          r"--pipeline-model-parallel-size = 2"):
+        parse_args(["--tensor-model-parallel-size", "2", *DATA], world_size=3)
+    with pytest.raises(ConfigError, match=r"--global-batch-size \(12\) must be a multiple of "
+                                          r"--micro-batch-size x data-parallel size \(4 x 2\)"):
+        parse_args(["--global-batch-size", "12", "--micro-batch-size", "4", *DATA], world_size=2)
+    with pytest.raises(ConfigError, match=r"--num-layers \(3\) must be divisible by --pipeline-model-parallel-size \(2\)"):
+        parse_args(["--num-layers", "3", "--pipeline-model-parallel-size", "2", *DATA], world_size=2)
+
+
+def test_missing_data_path_and_yaml_errors(tmp_path):
+    with pytest.raises(ConfigError, match="--data-path is required"):
+        parse_args([])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("num_layerz: 2\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: unknown setting 'num_layerz' \(flag --num-layerz does not exist"):
+        parse_args(["--config", str(bad), *DATA])
+    wrong_type = tmp_path / "t.yaml"
+    wrong_type.write_text("num-layers: two\n")
+    with pytest.raises(ConfigError, match=r"'num-layers': expected int, got 'two'"):
+        parse_args(["--config", str(wrong_type), *DATA])
+    with pytest.raises(ConfigError, match="--config: file not found: nope.yaml"):
+        parse_args(["--config", "nope.yaml", *DATA])
