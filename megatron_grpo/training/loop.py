@@ -140,13 +140,14 @@ def run(cfg: PretrainConfig, hooks: Optional[RunHooks] = None) -> RunSummary:
             "iteration": iteration, "run": lg.run_name, "loss": result.loss,
             "lr": built.optimizer.param_groups[0]["lr"], "grad_norm": result.grad_norm,
             "step_time_s": step_time, "tokens_per_s": gbs * seq / step_time,
+            "optimizer_time_s": result.optimizer_time_s,
             "wire_bytes": wire["total"],
             "wire_bytes_grad_reduce": wire["by_op"].get("reduce_scatter_tensor", 0)
             + wire["by_op"].get("_reduce_scatter_base", 0),
             "wire_bytes_param_gather": wire["by_op"].get("all_gather_into_tensor", 0)
             + wire["by_op"].get("_all_gather_base", 0),
             "wire_bytes_logging": wire["by_tag"].get("logging", 0),
-            "wire_calls": wire["calls"], "wire_by_tag": wire["by_tag"],
+            "wire_calls": wire["calls"],
             "consumed_samples": train_iter.consumed_samples,
             "peak_rss_bytes": peak_rss_bytes(),
             "skipped": not result.update_successful,

@@ -6,6 +6,7 @@ and every stage reads the same micro-batches (first stage uses tokens, last stag
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from functools import partial
 from typing import Iterator, Optional, Tuple
@@ -49,6 +50,8 @@ class StepResult:
     """Global gradient norm before clipping."""
     update_successful: bool
     """False when the optimizer skipped the step (fp16 overflow)."""
+    optimizer_time_s: float = 0.0
+    """Wall time of optimizer.step() (includes the distributed optimizer's param all-gather)."""
 
 
 def _reduce_loss(results, dp_group, device) -> Optional[float]:
@@ -83,9 +86,12 @@ def train_step(forward_step: ForwardStep, data_iterator, built, num_microbatches
                  model=built.ddp_model, num_microbatches=num_microbatches,
                  seq_length=seq_length, micro_batch_size=micro_batch_size,
                  decoder_seq_length=seq_length, forward_only=False)
+    t0 = time.perf_counter()
     update_successful, grad_norm, _ = built.optimizer.step()
+    optimizer_time = time.perf_counter() - t0
     loss = _reduce_loss(results, ps.get_data_parallel_group(), forward_step.device)
-    return StepResult(loss, None if grad_norm is None else float(grad_norm), bool(update_successful))
+    return StepResult(loss, None if grad_norm is None else float(grad_norm), bool(update_successful),
+                      optimizer_time)
 
 
 @torch.no_grad()

@@ -1,0 +1,141 @@
+"""The main job: train the tiny GPT on real text with the megatron baseline and with GRPO, side by
+side (same seed, data, steps, ranks), then print a summary and the GRPO/baseline ratios.
+
+    python launch/main_job.py                         # tiny.yaml, 2 gloo ranks, baseline + grpo
+    python launch/main_job.py --runs baseline --train-iters 100
+    python launch/main_job.py --nproc 2 --out runs/main -- --seq-length 256   # extra training flags
+
+Each run is the real training entry (launch/pretrain_gpt.py) under torchrun; figures are read
+back from its metrics JSONL (one record per iteration).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from typing import Dict, List, Optional
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+RUN_FLAGS = {"baseline": [], "grpo": ["--grpo"]}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(name: str, args: argparse.Namespace, extra: List[str]) -> str:
+    metrics = os.path.join(args.out, f"{name}.jsonl")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
+           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+           os.path.join(REPO, "launch", "pretrain_gpt.py"), "--config", args.config,
+           "--data-path", args.data_path, "--metrics-file", metrics, "--run-name", name,
+           "--tensorboard-dir", os.path.join(args.out, "tensorboard", name), *RUN_FLAGS[name]]
+    if args.train_iters:
+        cmd += ["--train-iters", str(args.train_iters)]
+    cmd += extra
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+               PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
+    print(f"\n=== {name}: {' '.join(cmd[2:])}", flush=True)
+    proc = subprocess.run(cmd, cwd=REPO, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"run '{name}' failed with exit code {proc.returncode}")
+    return metrics
+
+
+def summarize(records: List[Dict]) -> Dict[str, Optional[float]]:
+    """Figures of one run; the first iteration is left out of timings (warm-up)."""
+    steady = records[1:] or records
+    vals = [r["val_loss"] for r in records if "val_loss" in r]
+    return {
+        "iterations": records[-1]["iteration"],
+        "loss_start": records[0]["loss"],
+        "loss_end": statistics.mean(r["loss"] for r in records[-10:]),
+        "val_loss": vals[-1] if vals else None,
+        "step_time_s": statistics.median(r["step_time_s"] for r in steady),
+        "optimizer_time_s": statistics.median(r.get("optimizer_time_s", 0.0) for r in steady),
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
+        "wire_bytes_per_step": statistics.mean(r["wire_bytes"] for r in steady),
+        "importance_time_s": statistics.mean(r.get("grpo_importance_time_s", 0.0) for r in steady),
+        "peak_rss_mb": max(r["peak_rss_bytes"] for r in records) / 2**20,
+    }
+
+
+def print_report(summaries: Dict[str, Dict]) -> None:
+    print("\n=== summary (per rank; timings are medians after the first iteration)")
+    header = f"{'run':<10}{'loss start->end':>20}{'val loss':>10}{'tokens/s':>10}{'ms/step':>9}" \
+             f"{'opt ms':>8}{'MB/step':>9}{'RSS MB':>8}"
+    print(header)
+    for name, s in summaries.items():
+        val = f"{s['val_loss']:.4f}" if s["val_loss"] is not None else "-"
+        print(f"{name:<10}{s['loss_start']:>10.3f} -> {s['loss_end']:<6.3f}{val:>10}"
+              f"{s['tokens_per_s']:>10.0f}{s['step_time_s'] * 1e3:>9.0f}"
+              f"{s['optimizer_time_s'] * 1e3:>8.1f}{s['wire_bytes_per_step'] / 1e6:>9.3f}"
+              f"{s['peak_rss_mb']:>8.0f}")
+    if "baseline" in summaries and "grpo" in summaries:
+        b, g = summaries["baseline"], summaries["grpo"]
+        print("\n=== GRPO / baseline")
+        print(f"wire bytes per step ratio : {g['wire_bytes_per_step'] / b['wire_bytes_per_step']:.3f}"
+              f"   (target <= 0.25, goal <= 0.15)")
+        if b["val_loss"] and g["val_loss"]:
+            print(f"validation loss difference: {100 * (g['val_loss'] / b['val_loss'] - 1):+.2f} %"
+                  f"   (target <= +1 %)")
+        print(f"step time ratio           : {g['step_time_s'] / b['step_time_s']:.3f}")
+        print(f"optimizer step time ratio : {g['optimizer_time_s'] / max(b['optimizer_time_s'], 1e-9):.3f}")
+        print(f"importance overhead       : {100 * g['importance_time_s'] / g['step_time_s']:.2f} % of "
+              f"step time   (target <= 2 %)")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=os.path.join(REPO, "launch", "configs", "tiny.yaml"))
+    p.add_argument("--data-path", default=os.path.join(REPO, "data", "stdlib"),
+                   help="dataset prefix; the default corpus is built there when missing")
+    p.add_argument("--nproc", type=int, default=2, help="ranks (gloo on CPU)")
+    p.add_argument("--out", default=os.path.join(REPO, "runs", "main"))
+    p.add_argument("--runs", default="baseline,grpo", help="comma-separated: baseline, grpo")
+    p.add_argument("--train-iters", type=int, default=None)
+    args, extra = p.parse_known_args(argv)
+    extra = [x for x in extra if x != "--"]
+    names = [n.strip() for n in args.runs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in RUN_FLAGS]
+    if unknown:
+        p.error(f"--runs: unknown run(s) {unknown}; accepted: {', '.join(RUN_FLAGS)}")
+    if "grpo" in names and not _grpo_available():
+        print("note: GRPO is not available in this build; running the baseline only", flush=True)
+        names = [n for n in names if n != "grpo"]
+    os.makedirs(args.out, exist_ok=True)
+    if not os.path.exists(args.data_path + ".idx"):
+        from megatron_grpo.data import build_default_dataset
+
+        build_default_dataset(args.data_path)
+    summaries = {}
+    for name in names:
+        metrics = launch(name, args, extra)
+        with open(metrics) as fh:
+            summaries[name] = summarize([json.loads(line) for line in fh])
+    print_report(summaries)
+    with open(os.path.join(args.out, "summary.json"), "w") as fh:
+        json.dump(summaries, fh, indent=1)
+    return 0
+
+
+def _grpo_available() -> bool:
+    try:
+        import megatron_grpo.megatron  # noqa: F401  (the GRPO glue package)
+    except ImportError:
+        return False
+    return True
+
+
+if __name__ == "__main__":
+    sys.exit(main())
