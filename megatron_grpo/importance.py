@@ -21,7 +21,7 @@ and hang.
 from __future__ import annotations
 
 import operator
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Sequence, Union
 
 import torch
 

@@ -10,7 +10,7 @@ element count strictly closer to its quota ``share * total``, i.e. while
 ``taken + numel / 2 < quota``; the first bucket that does not stops the fill. An exact
 half-way bucket is not taken, and a bucket larger than twice the quota is never taken, so a tier
 can end up empty. The fill stops rather than skipping ahead to a smaller, less dense bucket, so
-core is always the densest buckets and stable the least dense.
+(before hysteresis) core is always the densest buckets and stable the least dense.
 
 Hysteresis (pairwise, relative margin ``h``): when the current tiers are given, buckets that are
 core now rank for the core fill with density ``d * (1 + h)`` and buckets that are stable now
@@ -20,8 +20,9 @@ a bucket must cross by the margin is the density of the bucket it would trade pl
 Quotas stay filled by the rounding rule above (unlike a fixed threshold per tier, which can empty
 the core when the incumbent drops but the challenger sits just above the old boundary).
 Constant scores give zero moves: incumbents only gain from the bonus. With unequal bucket sizes
-the fill is order-dependent, so right after a tier change one further move is possible on the next
-re-plan with unchanged scores; with equal sizes every plan is a fixed point.
+the fill is order-dependent (a newcomer, once incumbent, can reorder the prefix), so a re-plan is
+repeated with its own result as incumbent until it stops changing (at most ``SETTLE_ROUNDS``);
+the plan returned is then a fixed point and the next re-plan on unchanged scores moves nothing.
 
 Dynamic guard: if dynamic then holds more than ``max_dynamic_share`` of the elements, its densest
 buckets (incumbent core first, as in the core ranking) move to core until it does not.
@@ -115,6 +116,9 @@ def _fill(order: Sequence[int], numels: Sequence[int], quota: float) -> List[int
 class TierPlanner:
     """Assigns each bucket a tier from its importance density; see the module docstring."""
 
+    SETTLE_ROUNDS = 8
+    """Most extra hysteresis passes per re-plan (random trials needed at most 2)."""
+
     def __init__(self, core_share: float, dynamic_share: float, stable_share: float,
                  hysteresis: float, max_dynamic_share: float) -> None:
         for name, value in (("core_share", core_share), ("dynamic_share", dynamic_share),
@@ -155,6 +159,29 @@ class TierPlanner:
         n = len(d)
         sizes = _as_numels(numels, n)
         cur = _check_tiers(current, n) if current is not None else None
+        tiers, guard = self._plan_once(d, sizes, cur)
+        if cur is not None:
+            # Settle: re-plan with the result as incumbent until nothing changes, so that the
+            # next re-tier on unchanged scores moves nothing. Only unequal bucket sizes need
+            # this (the fill is order-dependent); random trials settled within 2 rounds. The
+            # bound keeps it finite; any exit is still deterministic.
+            for _ in range(self.SETTLE_ROUNDS):
+                again, again_guard = self._plan_once(d, sizes, tiers)
+                if again == tiers:
+                    break
+                tiers, guard = again, again_guard
+        notes = [reason or ("re-tier" if cur is not None else "initial plan")]
+        if guard:
+            notes.append(f"dynamic guard ({self.max_dynamic_share:g}) moved {len(guard)} "
+                         f"bucket(s) to core: {guard}")
+        self._last_numels = sizes
+        return TierPlan(tiers=tiers, moved=_moves(cur, tiers), shares=_shares(tiers, sizes),
+                        reason="; ".join(notes))
+
+    def _plan_once(self, d: List[float], sizes: List[int],
+                   cur: Optional[List[str]]) -> Tuple[List[str], List[int]]:
+        """One pass of quota fill (with incumbency bonus when ``cur`` is given) and guard."""
+        n = len(d)
         total = sum(sizes)
         bonus = 1.0 + self.hysteresis
 
@@ -177,15 +204,7 @@ class TierPlanner:
             tiers[b] = "core"
         for b in stable:
             tiers[b] = "stable"
-
-        notes = [reason or ("re-tier" if cur is not None else "initial plan")]
-        guard = self._apply_guard(tiers, sizes, core_key)
-        if guard:
-            notes.append(f"dynamic guard ({self.max_dynamic_share:g}) moved {len(guard)} "
-                         f"bucket(s) to core: {guard}")
-        self._last_numels = sizes
-        return TierPlan(tiers=tiers, moved=_moves(cur, tiers), shares=_shares(tiers, sizes),
-                        reason="; ".join(notes))
+        return tiers, self._apply_guard(tiers, sizes, core_key)
 
     def _apply_guard(self, tiers: List[str], sizes: Sequence[int], core_key) -> List[int]:
         limit = self.max_dynamic_share * sum(sizes)

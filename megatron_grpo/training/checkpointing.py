@@ -106,9 +106,11 @@ def _sharded_state(built, is_loading: bool) -> Dict:
     }
 
 
-def save_checkpoint(root: str, iteration: int, built, common: Dict) -> str:
+def save_checkpoint(root: str, iteration: int, built, common: Dict,
+                    rank_extra: Optional[Dict] = None) -> str:
     """Collective: every rank calls it. ``common`` holds plain values (iteration, data position,
-    scheduler state, extra component state); rank 0 writes it. Returns the final directory."""
+    scheduler state, extra component state); rank 0 writes it. ``rank_extra`` is this rank's own
+    state (e.g. error-feedback residuals), stored beside its RNG state. Returns the directory."""
     from megatron.core import dist_checkpointing
 
     rank = dist.get_rank()
@@ -129,7 +131,7 @@ def save_checkpoint(root: str, iteration: int, built, common: Dict) -> str:
     dist_checkpointing.save(state, tmp)
     os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
     rng_path = os.path.join(tmp, "rng", f"rank_{rank:05d}.pt")
-    torch.save(_rng_state(), rng_path + ".part")
+    torch.save({"rng": _rng_state(), "extra": rank_extra or {}}, rng_path + ".part")
     os.replace(rng_path + ".part", rng_path)
     dist.barrier()
     if rank == 0:
@@ -204,8 +206,9 @@ def _restore_per_param_steps(built) -> None:
                 opt.optimizer.state[p]["step"] = torch.tensor(float(group["step"]))
 
 
-def load_checkpoint(root: str, built, iteration: Optional[int] = None) -> Dict:
-    """Collective: restore model, optimizer and RNG. Returns the saved ``common`` dict."""
+def load_checkpoint(root: str, built, iteration: Optional[int] = None):
+    """Collective: restore model, optimizer and RNG. Returns (saved ``common`` dict, this
+    rank's ``rank_extra`` dict)."""
     from megatron.core import dist_checkpointing
 
     iteration = latest_iteration(root) if iteration is None else iteration
@@ -225,9 +228,12 @@ def load_checkpoint(root: str, built, iteration: Optional[int] = None) -> Dict:
     _restore_per_param_steps(built)
     common = loaded.get("common", {})
     rng_path = os.path.join(ckpt_dir, "rng", f"rank_{dist.get_rank():05d}.pt")
+    rank_extra: Dict = {}
     if common.get("world_size") == dist.get_world_size() and os.path.isfile(rng_path):
-        _set_rng_state(torch.load(rng_path, weights_only=False))
-    return common
+        saved = torch.load(rng_path, weights_only=False)
+        _set_rng_state(saved["rng"])
+        rank_extra = saved.get("extra", {})
+    return common, rank_extra
 
 
 def load_model_weights(path: str, built) -> int:

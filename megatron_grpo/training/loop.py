@@ -31,16 +31,26 @@ class RunHooks:
 
     optimizer_factory: Optional[Callable] = None
     """(OptimizerConfig, model_chunks) -> optimizer; default megatron's get_megatron_optimizer."""
+    ddp_class: Optional[type] = None
+    """DDP class; default megatron's DistributedDataParallel."""
+    bucket_size: Optional[int] = None
+    """DDP bucket size in elements, overriding --ddp-bucket-size."""
     after_build: Callable = lambda built: None
     """Called once the model, DDP and optimizer exist (before --load)."""
     before_step: Callable = lambda iteration: None
     """Called before each training step."""
-    step_metrics: Callable = lambda iteration: {}
-    """Extra fields for the iteration's metrics record (called after the step)."""
+    after_step: Callable = lambda iteration: None
+    """Called after each optimizer step (iteration = steps done)."""
+    step_metrics: Callable = lambda iteration, wire, step_time: {}
+    """Extra fields for the iteration's metrics record (wire: the step's byte counts)."""
     checkpoint_state: Callable = lambda: {}
-    """Extra plain state stored in checkpoints."""
+    """Extra plain state stored in checkpoints, identical on all ranks (written by rank 0)."""
     load_state: Callable = lambda state: None
     """Restores what checkpoint_state returned."""
+    rank_state: Callable = lambda: {}
+    """Extra state that differs per rank, stored in the rank's own checkpoint file."""
+    load_rank_state: Callable = lambda state: None
+    """Restores what rank_state returned."""
 
 
 @dataclass
@@ -68,6 +78,10 @@ def _median(xs: List[float]) -> Optional[float]:
 
 
 def run(cfg: PretrainConfig, hooks: Optional[RunHooks] = None) -> RunSummary:
+    if hooks is None and cfg.grpo.enabled:
+        from megatron_grpo.megatron import grpo_hooks
+
+        hooks = grpo_hooks(cfg)
     hooks = hooks or RunHooks()
     t, lg = cfg.training, cfg.logging
     platform = select_platform(force_cpu=t.cpu, local_rank=int(os.environ.get("LOCAL_RANK", 0)))
@@ -93,16 +107,18 @@ def run(cfg: PretrainConfig, hooks: Optional[RunHooks] = None) -> RunSummary:
         train_samples=max(t.train_iters, 1) * gbs, valid_samples=max(lg.eval_iters, 1) * gbs,
         cache_dir=cfg.data.data_cache_dir, tokenizer=tokenizer)
 
-    built = build_model(cfg, platform, tokenizer.vocab_size, hooks.optimizer_factory)
+    built = build_model(cfg, platform, tokenizer.vocab_size, hooks.optimizer_factory,
+                        ddp_class=hooks.ddp_class, bucket_size=hooks.bucket_size)
     hooks.after_build(built)
 
     start_iter, consumed = 0, 0
     if cfg.checkpoint.load:
-        common = checkpointing.load_checkpoint(cfg.checkpoint.load, built)
+        common, rank_extra = checkpointing.load_checkpoint(cfg.checkpoint.load, built)
         start_iter = int(common["iteration"])
         consumed = int(common["consumed_samples"])
         built.scheduler.load_state_dict(common["scheduler"])
         hooks.load_state(common.get("extensions", {}))
+        hooks.load_rank_state(rank_extra)
     elif cfg.checkpoint.init_from:
         checkpointing.load_model_weights(cfg.checkpoint.init_from, built)
 
@@ -123,7 +139,7 @@ def run(cfg: PretrainConfig, hooks: Optional[RunHooks] = None) -> RunSummary:
         # A seed checkpoint: the initial weights, for runs in other layouts to --init-from.
         checkpointing.save_checkpoint(cfg.checkpoint.save, 0, built, {
             "consumed_samples": 0, "scheduler": built.scheduler.state_dict(),
-            "extensions": hooks.checkpoint_state()})
+            "extensions": hooks.checkpoint_state()}, hooks.rank_state())
     step_times: List[float] = []
     counter.reset()
     iteration = start_iter
@@ -132,6 +148,7 @@ def run(cfg: PretrainConfig, hooks: Optional[RunHooks] = None) -> RunSummary:
         t0 = time.perf_counter()
         result = train_step(forward_step, train_iter, built, num_mb, seq, mbs)
         built.scheduler.step(increment=gbs)
+        hooks.after_step(iteration + 1)
         step_time = time.perf_counter() - t0
         iteration += 1
         wire = counter.reset()
@@ -155,7 +172,7 @@ def run(cfg: PretrainConfig, hooks: Optional[RunHooks] = None) -> RunSummary:
         device_peak = optional_device_peak(platform)
         if device_peak is not None:
             record["peak_device_bytes"] = device_peak
-        record.update(hooks.step_metrics(iteration))
+        record.update(hooks.step_metrics(iteration, wire, step_time))
         if iteration % lg.eval_interval == 0 or iteration == t.train_iters:
             if lg.eval_iters > 0:
                 valid_iter = MicroBatchIterator(valid_ds, 0, mbs, dp_rank, dp_size)
@@ -172,7 +189,7 @@ def run(cfg: PretrainConfig, hooks: Optional[RunHooks] = None) -> RunSummary:
                 "consumed_samples": train_iter.consumed_samples,
                 "scheduler": built.scheduler.state_dict(),
                 "extensions": hooks.checkpoint_state(),
-            })
+            }, hooks.rank_state())
             counter.reset()
         if writer:
             logger.log(record)

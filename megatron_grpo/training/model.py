@@ -109,7 +109,7 @@ class BuiltModel:
 
 
 def build_model(cfg: PretrainConfig, platform: Platform, tokenizer_vocab_size: int,
-                optimizer_factory=None) -> BuiltModel:
+                optimizer_factory=None, ddp_class=None, bucket_size=None) -> BuiltModel:
     """GPTModel -> megatron DDP -> megatron optimizer (or ``optimizer_factory``'s)."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -135,9 +135,9 @@ def build_model(cfg: PretrainConfig, platform: Platform, tokenizer_vocab_size: i
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-        bucket_size=cfg.parallel.ddp_bucket_size,
+        bucket_size=bucket_size or cfg.parallel.ddp_bucket_size,
     )
-    ddp = DistributedDataParallel(tf_config, ddp_config, model)
+    ddp = (ddp_class or DistributedDataParallel)(tf_config, ddp_config, model)
     o = cfg.optimizer
     opt_config = OptimizerConfig(
         optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,

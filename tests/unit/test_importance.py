@@ -125,7 +125,7 @@ def test_set_scores_round_trip_and_in_place_all_reduce():
     assert tracker.scores_tensor() is not averaged          # copied, not aliased
     tracker.scores_tensor().mul_(2)                          # what an in-place all_reduce does
     assert tracker.bucket_scores().tolist() == [6.0, 6.0, 0.0, 2.5]
-    tracker.set_scores(tracker.scores_tensor())              # handing back the same tensor is a no-op
+    tracker.set_scores(tracker.scores_tensor())              # same tensor back: a no-op
     assert tracker.bucket_scores().tolist() == [6.0, 6.0, 0.0, 2.5]
 
 

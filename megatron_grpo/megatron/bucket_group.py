@@ -1,0 +1,226 @@
+"""GRPOBucketGroup: megatron-core's bucket group with per-tier gradient and parameter sync.
+
+Thin overrides of ``megatron.core.distributed.param_and_grad_buffer._ParamAndGradBucketGroup``
+(0.16.1); each names the upstream method it replaces:
+
+* ``start_grad_sync``: importance is measured from the bucket's local gradient first (the
+  bucket-ready path, during backward; on a side CUDA stream on GPU). Then by tier: core and a
+  stable unit on its update step call megatron's own method (bit-identical to the baseline);
+  dynamic sends a compressed reduce-scatter with error feedback; a stable unit between
+  updates sends nothing (delayed mode accumulates the gradient locally).
+* ``finish_grad_sync``: waits on whichever handle the tier produced, timing the wait (RU).
+* ``start_param_sync``: core/stable-update use megatron's all-gather; dynamic sends the owners'
+  quantised parameter deltas; a stable unit between updates has nothing new to send.
+
+The class is installed by swapping ``__class__`` on the groups DDP built, so megatron's own
+bucket layout, ready-count bookkeeping and overlap with backward stay as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+
+from megatron_grpo.comm.dynamic import CompressedReduceScatter, compressed_param_gather
+
+
+class _Completed:
+    """Handle of a sync that needed no communication."""
+
+    def wait(self) -> None:
+        pass
+
+
+class _Handles:
+    def __init__(self, handles) -> None:
+        self.handles = handles
+
+    def wait(self) -> None:
+        for h in self.handles:
+            h.wait()
+
+
+class GRPOBucketGroup(_ParamAndGradBucketGroup):
+    grpo = None          # GRPOController, set by install()
+    grpo_unit = -1       # index of this group's tier unit
+    grpo_stream = None   # side CUDA stream for importance (None on CPU)
+
+    # -- helpers -----------------------------------------------------------------------------
+    @property
+    def _group(self):
+        return self.intra_distributed_optimizer_instance_group
+
+    def _side_stream(self):
+        if self.grpo_stream is None:
+            return contextlib.nullcontext()
+        # The side stream first waits for the backward kernels that produced the gradients;
+        # the collectives issued under it then wait for the importance kernels, not the reverse,
+        # so backward keeps running while importance is computed.
+        self.grpo_stream.wait_stream(torch.cuda.current_stream())
+        return torch.cuda.stream(self.grpo_stream)
+
+    def _add_pending(self, scale_first: bool) -> None:
+        """Deliver a carried residual (a unit that left the dynamic tier) with this sync."""
+        carry = self.grpo.carry.pop(self.grpo_unit, None)
+        if carry is None:
+            return
+        flat = self._flat_grad()
+        # Megatron scales by gradient_scaling_factor inside start_grad_sync; the carry is already
+        # scaled, so pre-divide it when the exact path will scale afterwards.
+        factor = self.buckets[0].gradient_scaling_factor
+        flat.add_(carry if scale_first or factor == 1.0 else carry / factor)
+        self._write_flat_grad(flat)
+
+    def _flat_grad(self) -> torch.Tensor:
+        if len(self.buckets) == 1:
+            return self.buckets[0].grad_data
+        return torch.cat([b.grad_data for b in self.buckets])
+
+    def _write_flat_grad(self, flat: torch.Tensor) -> None:
+        if len(self.buckets) == 1:
+            return
+        offset = 0
+        for b in self.buckets:
+            n = b.grad_data.numel()
+            b.grad_data.copy_(flat[offset:offset + n])
+            offset += n
+
+    # -- gradient sync (replaces _ParamAndGradBucketGroup.start_grad_sync) ---------------------
+    def start_grad_sync(self, force_all_reduce: bool = False):
+        ctrl = self.grpo
+        if ctrl is None:
+            return super().start_grad_sync(force_all_reduce)
+        if self.is_first_batch and self.grad_reduce_handle is not None:
+            return  # megatron's first-batch guard: already dispatched from finish_grad_sync
+        assert self.grad_reduce_handle is None, "Should not have multiple communication calls outstanding at once"
+        unit = self.grpo_unit
+        tier = ctrl.tiers[unit]
+        with self._side_stream():
+            ctrl.observe_importance(unit)
+            if tier == "stable" and not ctrl.step.stable_update:
+                self._hold_stable_gradient()
+                self.grad_reduce_handle = _Completed()
+                return
+            if tier == "stable" and ctrl.config.stable_mode == "delayed":
+                self._merge_stable_accumulator()
+            if tier == "dynamic" and ctrl.dp_size > 1:
+                self._start_dynamic_reduce()
+                return
+            self._add_pending(scale_first=False)
+            with ctrl.counter.tag(tier):
+                super().start_grad_sync(force_all_reduce)
+            if self.grad_reduce_handle is None and self.ddp_config.overlap_grad_reduce:
+                # Synchronous inside megatron (no async handle): mark it done for finish.
+                self.grad_reduce_handle = _Completed()
+
+    def _scale(self) -> None:
+        for b in self.buckets:
+            if b.gradient_scaling_factor != 1.0:
+                b.grad_data *= b.gradient_scaling_factor
+
+    def _start_dynamic_reduce(self) -> None:
+        ctrl = self.grpo
+        self._scale()
+        self._add_pending(scale_first=True)
+        rank = self._group.rank()
+        async_op = self.ddp_config.overlap_grad_reduce
+        handles = []
+        with ctrl.counter.tag("dynamic"):
+            for i, b in enumerate(self.buckets):
+                shard = b.grad_data.numel() // ctrl.dp_size
+                out = b.grad_data[rank * shard:(rank + 1) * shard]
+                handles.append(CompressedReduceScatter(
+                    (self.grpo_unit, i), b.grad_data, out, ctrl.ef, ctrl.compressor, self._group,
+                    async_op, stats=ctrl.gvr_stats(self.grpo_unit)))
+        self.grad_reduce_handle = _Handles(handles) if async_op else _Completed()
+
+    def _hold_stable_gradient(self) -> None:
+        """Between updates: frozen units have no gradient; delayed units accumulate theirs."""
+        ctrl = self.grpo
+        if ctrl.config.stable_mode != "delayed":
+            return
+        self._scale()
+        flat = self._flat_grad()
+        acc = ctrl.accum.get(self.grpo_unit)
+        if acc is None:
+            ctrl.accum[self.grpo_unit] = [flat.detach().clone(), 1]
+        else:
+            acc[0].add_(flat)
+            acc[1] += 1
+
+    def _merge_stable_accumulator(self) -> None:
+        """Update step in delayed mode: sync the mean gradient of the steps since the last one."""
+        acc = self.grpo.accum.pop(self.grpo_unit, None)
+        if acc is None:
+            return
+        factor = self.buckets[0].gradient_scaling_factor
+        flat = self._flat_grad()
+        # acc holds scaled gradients; megatron scales the current one inside start_grad_sync.
+        flat.add_(acc[0] / factor if factor != 1.0 else acc[0])
+        flat.div_(acc[1] + 1)
+        self._write_flat_grad(flat)
+
+    # -- replaces _ParamAndGradBucketGroup.finish_grad_sync ------------------------------------
+    def finish_grad_sync(self, force_all_reduce: bool = False):
+        if self.grpo is None:
+            return super().finish_grad_sync(force_all_reduce)
+        self.param_gather_dispatched = False
+        if not self.grpo.unit_active(self.grpo_unit) and self.grad_reduce_handle is None:
+            # A frozen stable unit computed no gradient, so megatron never marked it ready.
+            if self.grpo.config.stable_mode == "frozen":
+                return
+        if not self.ddp_config.overlap_grad_reduce or self.is_first_batch:
+            if self.grad_reduce_handle is None:
+                self.start_grad_sync(force_all_reduce)
+        if self.grad_reduce_handle is None:
+            if not self.ddp_config.overlap_grad_reduce:
+                return
+            raise AssertionError(
+                f"Communication call has not been issued for this bucket "
+                f"({len(self.per_param_grad_ready_counts)}/{len(self.params)} params have grad "
+                f"available; GRPO unit {self.grpo_unit}, tier {self.grpo.tiers[self.grpo_unit]})")
+        t0 = time.perf_counter()
+        self.grad_reduce_handle.wait()
+        self.grpo.stats.wait_time_s += time.perf_counter() - t0
+        self.grad_reduce_handle = None
+
+    # -- replaces _ParamAndGradBucketGroup.start_param_sync ------------------------------------
+    def start_param_sync(self, force_sync: bool = False):
+        ctrl = self.grpo
+        if ctrl is None:
+            return super().start_param_sync(force_sync)
+        unit = self.grpo_unit
+        tier = ctrl.tiers[unit]
+        if not ctrl.unit_active(unit):
+            # Frozen stable unit: its parameters did not change, every rank already has them.
+            self.param_gather_dispatched = True
+            return
+        if tier == "dynamic" and ctrl.config.compress_param_gather and ctrl.dp_size > 1:
+            with ctrl.counter.tag("dynamic"):
+                for i, b in enumerate(self.buckets):
+                    staged = ctrl.staging.pop((unit, i), None)
+                    if staged is None:  # no optimizer step this iteration for this bucket
+                        continue
+                    compressed_param_gather(b.param_data.view(-1), staged, ctrl.compressor, self._group)
+            self.param_gather_dispatched = True
+            return
+        t0 = time.perf_counter()
+        with ctrl.counter.tag(tier):
+            super().start_param_sync(force_sync)
+        if not self.ddp_config.overlap_param_gather:
+            ctrl.stats.wait_time_s += time.perf_counter() - t0
+
+
+def install(ddp_chunks: list, controller) -> None:
+    """Turn every bucket group of the DDP chunks into a GRPOBucketGroup bound to ``controller``."""
+    stream = torch.cuda.Stream() if controller.device.type == "cuda" else None
+    for unit in controller.units:
+        group = unit.group
+        group.__class__ = GRPOBucketGroup
+        group.grpo = controller
+        group.grpo_unit = unit.index
+        group.grpo_stream = stream

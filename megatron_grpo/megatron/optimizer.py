@@ -1,0 +1,165 @@
+"""GRPODistributedOptimizer and get_grpo_optimizer, beside megatron's get_megatron_optimizer.
+
+A subclass of ``megatron.core.optimizer.distrib_optimizer.DistributedOptimizer`` (0.16.1) with
+thin overrides:
+
+* ``_copy_model_grads_to_main_grads``: ranges of stable units between their updates get
+  ``grad = None``, so torch Adam skips them (no moment drift, no weight decay) and the global
+  gradient norm (hence clipping) is taken over the gradients actually applied.
+* ``_copy_main_params_to_model_params``: a dynamic unit's updated master shard goes to a staging
+  buffer instead of the parameter buffer; the bucket group then sends the quantised difference
+  (see megatron_grpo.comm.dynamic). Frozen stable units are not copied (nothing changed).
+* ``state_dict``: skipped params make torch Adam's per-param ``step`` counters differ, and
+  megatron asserts a single one; the checkpoint stores the largest (the optimizer's iteration)
+  and GRPO's rank state keeps the exact per-param counters (``param_steps``).
+
+With fp32 parameters megatron's main params are views of the model params; GRPO gives them
+their own storage (as bf16 training already has) so the owner's exact master and every rank's
+model copy can differ by the compression error while the copies stay bit-identical.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, List
+
+import torch
+
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+
+class GRPODistributedOptimizer(DistributedOptimizer):
+    grpo = None  # GRPOController, bound by bind()
+
+    def bind(self, controller) -> None:
+        self.grpo = controller
+        # Separate master storage for fp32 params (bf16 params already have fp32 masters).
+        for group in self.shard_fp32_groups:
+            for shard in group:
+                shard.data = shard.data.clone()
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _pairs(self):
+        """(model param, shard main param) for every param with a shard on this rank."""
+        for model_groups, shard_groups in ((self.model_float16_groups, self.shard_fp32_from_float16_groups),
+                                           (self.model_fp32_groups, self.shard_fp32_groups)):
+            for model_group, shard_group in zip(model_groups, shard_groups):
+                yield from zip(model_group, shard_group)
+
+    def _bucket_of(self, model_param):
+        gbuf_index, _, bucket_id = self.model_param_gbuf_map[model_param]
+        return self.buffers[gbuf_index].buckets[bucket_id]
+
+    # -- replaces DistributedOptimizer._copy_model_grads_to_main_grads ------------------------------
+    def _copy_model_grads_to_main_grads(self):
+        super()._copy_model_grads_to_main_grads()
+        ctrl = self.grpo
+        if ctrl is None:
+            return
+        for model_param, shard in self._pairs():
+            unit = ctrl.unit_of_bucket[id(self._bucket_of(model_param))]
+            if not ctrl.unit_active(unit):
+                shard.grad = None
+
+    # -- replaces DistributedOptimizer._copy_main_params_to_model_params ----------------------------
+    def _copy_main_params_to_model_params(self):
+        ctrl = self.grpo
+        if ctrl is None:
+            return super()._copy_main_params_to_model_params()
+        compress = ctrl.config.compress_param_gather and ctrl.dp_size > 1
+        rank = self.data_parallel_group.rank()
+        for model_param, shard in self._pairs():
+            bucket = self._bucket_of(model_param)
+            unit = ctrl.unit_of_bucket[id(bucket)]
+            if not ctrl.unit_active(unit):
+                continue
+            world_range = self._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
+            param_flat = bucket.param_data.view(-1)
+            if compress and ctrl.tiers[unit] == "dynamic":
+                shard_len = param_flat.numel() // ctrl.dp_size
+                index = (unit, self._bucket_index_in_group(ctrl, unit, bucket))
+                staged = ctrl.staging.get(index)
+                if staged is None:
+                    # Start from the current model copy so untouched (padding) ranges send 0.
+                    staged = param_flat[rank * shard_len:(rank + 1) * shard_len].detach().float().clone()
+                    ctrl.staging[index] = staged
+                start = world_range.start - rank * shard_len
+                staged[start:start + world_range.size].copy_(shard.detach().view(-1))
+            else:
+                param_flat[world_range.start:world_range.end].copy_(shard.detach().view(-1))
+
+    @staticmethod
+    def _bucket_index_in_group(ctrl, unit: int, bucket) -> int:
+        for i, b in enumerate(ctrl.units[unit].group.buckets):
+            if b is bucket:
+                return i
+        raise KeyError("bucket not in its GRPO unit")
+
+    # -- replaces DistributedOptimizer.state_dict -------------------------------------------------
+    @contextlib.contextmanager
+    def _uniform_steps(self):
+        """Temporarily give every param the optimizer's iteration as Adam ``step``."""
+        state = self.optimizer.state
+        saved = {p: s["step"] for p, s in state.items() if "step" in s}
+        if saved:
+            top = max(float(v) for v in saved.values())
+            for p in saved:
+                state[p]["step"] = torch.tensor(top)
+        try:
+            yield
+        finally:
+            for p, v in saved.items():
+                state[p]["step"] = v
+
+    def state_dict(self):
+        with self._uniform_steps():
+            return super().state_dict()
+
+    def param_steps(self) -> List[float]:
+        """Per-param Adam step counters in inner-optimizer order (rank-local)."""
+        out = []
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                st = self.optimizer.state.get(p, {})
+                out.append(float(st["step"]) if "step" in st else 0.0)
+        return out
+
+    def load_param_steps(self, steps: List[float]) -> None:
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if len(steps) != len(params):
+            raise ValueError(f"checkpoint has Adam steps for {len(steps)} params, this rank's "
+                             f"optimizer has {len(params)}: resume with the same layout")
+        for p, s in zip(params, steps):
+            if "step" in self.optimizer.state.get(p, {}):
+                self.optimizer.state[p]["step"] = torch.tensor(s)
+
+
+def grpo_optimizers(optimizer) -> List[GRPODistributedOptimizer]:
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [o for o in inner if isinstance(o, GRPODistributedOptimizer)]
+
+
+def get_grpo_optimizer(config, model_chunks, grpo_config=None, **kwargs):
+    """megatron's ``get_megatron_optimizer`` with GRPODistributedOptimizer in place of
+    DistributedOptimizer (megatron looks the class up by name when it builds optimizers, so the
+    swap is scoped to this call). Returns what megatron returns (usually a ChainedOptimizer)."""
+    import megatron.core.optimizer as mopt
+
+    if not config.use_distributed_optimizer:
+        raise ValueError("GRPO runs inside megatron's distributed optimizer: set "
+                         "--use-distributed-optimizer (OptimizerConfig.use_distributed_optimizer=True)")
+    original = mopt.DistributedOptimizer
+    mopt.DistributedOptimizer = GRPODistributedOptimizer
+    try:
+        return mopt.get_megatron_optimizer(config, model_chunks, **kwargs)
+    finally:
+        mopt.DistributedOptimizer = original
+
+
+def optimizer_state(optimizer) -> Dict:
+    return {"param_steps": [o.param_steps() for o in grpo_optimizers(optimizer)]}
+
+
+def load_optimizer_state(optimizer, state: Dict) -> None:
+    for o, steps in zip(grpo_optimizers(optimizer), state.get("param_steps", [])):
+        o.load_param_steps(steps)
