@@ -118,6 +118,7 @@ class GRPOController:
         """Called before iteration ``iteration + 1`` runs (``iteration`` steps are done)."""
         c = self.config
         k = iteration + 1
+        self._new_events = []
         if k - 1 >= c.warmup_iters and (not self.tiered or
                                         (k - 1 - c.warmup_iters) % c.retier_interval == 0):
             self.retier_pending = True
@@ -131,7 +132,6 @@ class GRPOController:
             measure_gvr=self.tiered and (k % c.gvr_interval == 0) and "dynamic" in self.tiers,
         )
         self.stats = StepStats()
-        self._new_events = []
         self._apply_freezing()
 
     def end_step(self) -> None:

@@ -62,3 +62,21 @@ def train_and_read(tmp_path, name: str, nproc: int, args: Sequence[str],
     metrics = os.path.join(str(tmp_path), f"{name}.jsonl")
     run_training(nproc, [*args, "--metrics-file", metrics, "--run-name", name], timeout=timeout)
     return read_metrics(metrics)
+
+
+GRPO_SMALL = ["--grpo", "--grpo-bucket-mb", "0.04", "--grpo-warmup-iters", "6",
+              "--grpo-retier-interval", "8", "--grpo-stable-interval", "4",
+              "--grpo-gvr-interval", "4", "--grpo-importance-interval", "1"]
+
+
+def run_probe(tmp_path, nproc: int, args: Sequence[str], timeout: int = 300) -> dict:
+    """tests/multiproc/grpo_probe.py under torchrun; returns its JSON (per-rank step records)."""
+    out = os.path.join(str(tmp_path), "probe.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+           os.path.join(REPO, "tests", "multiproc", "grpo_probe.py"), out, *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"probe failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    with open(out) as fh:
+        return json.load(fh)

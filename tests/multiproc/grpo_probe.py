@@ -1,0 +1,112 @@
+"""Runs a real GRPO training (launch flags) under torchrun and records invariants per step.
+
+    torchrun --nproc_per_node 2 tests/multiproc/grpo_probe.py OUT.json <training flags...>
+
+Besides the training itself it records, on every rank and every iteration:
+* the tier map and a digest of every model parameter (all ranks must agree bit for bit);
+* for stable units between updates: whether their parameters, Adam moments and gradient
+  buffer stayed exactly unchanged (no wgrad, no optimizer work) and requires_grad was False;
+* the analytic per-tier byte count of the step, from the units' sizes and the compressor.
+Rank 0 writes everything (gathered from all ranks) to OUT.json.
+"""
+
+import hashlib
+import json
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+
+
+def digest(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().view(-1).view(dtype=__import__("torch").uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def main():
+    import torch
+    import torch.distributed as dist
+
+    from megatron_grpo.megatron import grpo_hooks, grpo_optimizers
+    from megatron_grpo.training.arguments import parse_args
+    from megatron_grpo.training.loop import run
+
+    out_path, argv = sys.argv[1], sys.argv[2:]
+    cfg = parse_args(argv, world_size=int(os.environ["WORLD_SIZE"]))
+    hooks = grpo_hooks(cfg)
+    records = []
+    probe = {}
+    base_after_build, base_before, base_after = hooks.after_build, hooks.before_step, hooks.after_step
+
+    def after_build(built):
+        base_after_build(built)
+        probe["built"] = built
+        probe["ctrl"] = next(iter(grpo_optimizers(built.optimizer))).grpo
+
+    def optimizer_moments(ctrl, unit):
+        opt = next(iter(grpo_optimizers(probe["built"].optimizer)))
+        params = set(ctrl.units[unit].params)
+        out = []
+        for model_param, shard in opt._pairs():
+            if model_param in params:
+                st = opt.optimizer.state.get(shard, {})
+                out += [shard] + [st[k] for k in ("exp_avg", "exp_avg_sq") if k in st]
+        return out
+
+    def before_step(iteration):
+        base_before(iteration)
+        ctrl = probe["ctrl"]
+        frozen = [i for i, t in enumerate(ctrl.tiers) if t == "stable" and not ctrl.step.stable_update]
+        probe["frozen"] = frozen
+        probe["before"] = {i: (digest(ctrl.units[i].params), digest(optimizer_moments(ctrl, i)))
+                           for i in frozen}
+        probe["requires_grad"] = {i: any(p.requires_grad for p in ctrl.units[i].params) for i in frozen}
+
+    def after_step(iteration):
+        ctrl = probe["ctrl"]
+        # Read before end_step (it may re-plan tiers after a GVR check).
+        frozen_checks = {}
+        for i in probe["frozen"]:
+            grads_zero = all(bool((p.main_grad == 0).all()) for p in ctrl.units[i].params)
+            frozen_checks[i] = dict(
+                params_same=digest(ctrl.units[i].params) == probe["before"][i][0],
+                moments_same=digest(optimizer_moments(ctrl, i)) == probe["before"][i][1],
+                grad_buffer_zero=grads_zero, requires_grad=probe["requires_grad"][i])
+        tiers = list(ctrl.tiers)
+        base_after(iteration)
+        all_params = [p for chunk in probe["built"].ddp_model for p in chunk.module.parameters()]
+        dp, comp = ctrl.dp_size, ctrl.compressor
+        expected = {"core": 0, "dynamic": 0, "stable": 0}
+        for unit, tier in zip(ctrl.units, tiers):
+            if tier == "stable" and not ctrl.step.stable_update:
+                continue
+            for b in unit.group.buckets:
+                n = b.grad_data.numel()
+                if tier == "dynamic":
+                    payload = comp.payload_bytes(n // dp)
+                    expected[tier] += 2 * (dp - 1) * payload  # all_to_all out + all-gather
+                else:
+                    expected[tier] += 2 * (dp - 1) * (n // dp) * 4
+        from megatron.core import parallel_state as ps
+
+        records.append(dict(tp=ps.get_tensor_model_parallel_rank(),
+                            pp=ps.get_pipeline_model_parallel_rank(), iteration=iteration, tiers="".join(t[0] for t in tiers),
+                            digest=digest(all_params), frozen=frozen_checks, expected=expected,
+                            stable_update=ctrl.step.stable_update))
+
+    hooks.after_build, hooks.before_step, hooks.after_step = after_build, before_step, after_step
+    run(cfg, hooks)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, records)
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as fh:
+            json.dump({"ranks": gathered, "units": [u.numel for u in probe["ctrl"].units]}, fh)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
