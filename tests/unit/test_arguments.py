@@ -43,6 +43,19 @@ def test_shipped_configs_parse():
     (["--grpo-core-share", "0.3"], "must sum to 1"),
     (["--grpo-stable-mode", "lazy"], "--grpo-stable-mode must be one of frozen, delayed, got 'lazy'"),
     (["--grpo-gvr-min", "1.5"], "--grpo-gvr-min and --grpo-gvr-max must satisfy 0 < min < max"),
+    (["--grpo-core-share", "-0.1", "--grpo-dynamic-share", "0.9"], "--grpo-core-share must be in [0, 1], got -0.1"),
+    (["--grpo-warmup-iters", "-1"], "--grpo-warmup-iters must be an integer >= 0, got -1"),
+    (["--grpo-importance-interval", "0"], "--grpo-importance-interval must be a positive integer, got 0"),
+    (["--grpo-stable-interval", "-3"], "--grpo-stable-interval must be a positive integer, got -3"),
+    (["--grpo-gvr-interval", "0"], "--grpo-gvr-interval must be a positive integer, got 0"),
+    (["--grpo-gvr-window", "0"], "--grpo-gvr-window must be a positive integer, got 0"),
+    (["--grpo-compress-chunk", "0"], "--grpo-compress-chunk must be a positive integer, got 0"),
+    (["--grpo-importance-decay", "1.0"], "--grpo-importance-decay must be in [0, 1), got 1.0"),
+    (["--grpo-hysteresis", "1.5"], "--grpo-hysteresis must be in [0, 1), got 1.5"),
+    (["--grpo-topk-ratio", "0"], "--grpo-topk-ratio must be in (0, 1], got 0.0"),
+    (["--grpo-remediation-promote", "0"], "--grpo-remediation-promote must be in (0, 1], got 0.0"),
+    (["--grpo-max-dynamic-share", "1.5"], "--grpo-max-dynamic-share must be in [0, 1], got 1.5"),
+    (["--grpo-max-dynamic-share", "0.5"], "--grpo-dynamic-share (0.65) exceeds --grpo-max-dynamic-share (0.5)"),
 ])
 def test_bad_flags_name_the_flag(argv, message):
     with pytest.raises(ConfigError) as err:
