@@ -1,6 +1,6 @@
 """Time compress + decompress of one 128 MB fp32 bucket for each dynamic-tier compressor.
 
-    python launch/bench_compress.py [--numel 33554432] [--threads 2] [--repeats 3]
+    python launch/bench_compress.py [--numel 33554432] [--threads 2] [--repeats 3] [--device cuda]
 
 Prints, per compressor: compression ratio, payload size, relative L2 error of one round trip,
 and the best-of-``repeats`` wall time of compress, decompress and error-feedback compress
@@ -20,12 +20,19 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from megatron_grpo.comm.compress import COMPRESSOR_NAMES, ErrorFeedback, build_compressor  # noqa: E402
 
 
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def best_ms(fn, repeats):
     fn()  # warm-up: first-touch page faults and allocator growth are not the steady state
     times = []
     for _ in range(repeats):
+        _sync()
         start = time.perf_counter()
         fn()
+        _sync()  # GPU kernels are asynchronous: time them to completion
         times.append(time.perf_counter() - start)
     return 1e3 * min(times)
 
@@ -37,10 +44,12 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--topk-ratio", type=float, default=0.05)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    x = torch.randn(args.numel, generator=torch.Generator().manual_seed(0))
-    print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+    x = torch.randn(args.numel, generator=torch.Generator().manual_seed(0)).to(args.device)
+    where = torch.cuda.get_device_name() if x.is_cuda else (platform.processor() or platform.machine())
+    print(f"torch {torch.__version__}, {where}, "
           f"threads {torch.get_num_threads()}, numel {args.numel} ({4 * args.numel / 2**20:.0f} MiB fp32), "
           f"chunk {args.chunk}, topk ratio {args.topk_ratio}")
     print(f"{'name':6} {'ratio':>8} {'payload MiB':>12} {'rel err':>8} {'compress ms':>12} "

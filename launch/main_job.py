@@ -70,6 +70,16 @@ def summarize(records: List[Dict]) -> Dict[str, Optional[float]]:
     }
 
 
+def steady_wire_ratio(base: List[Dict], grpo: List[Dict]) -> Optional[float]:
+    """Wire-bytes ratio over the iterations after GRPO's first tiering (same iterations of both)."""
+    tiered = {r["iteration"] for r in grpo if r.get("grpo_tiered")}
+    if not tiered:
+        return None
+    b = sum(r["wire_bytes"] for r in base if r["iteration"] in tiered)
+    g = sum(r["wire_bytes"] for r in grpo if r["iteration"] in tiered)
+    return g / b if b else None
+
+
 def print_report(summaries: Dict[str, Dict]) -> None:
     print("\n=== summary (per rank; timings are medians after the first iteration)")
     header = f"{'run':<10}{'loss start->end':>20}{'val loss':>10}{'tokens/s':>10}{'ms/step':>9}" \
@@ -84,14 +94,18 @@ def print_report(summaries: Dict[str, Dict]) -> None:
     if "baseline" in summaries and "grpo" in summaries:
         b, g = summaries["baseline"], summaries["grpo"]
         print("\n=== GRPO / baseline")
-        print(f"wire bytes per step ratio : {g['wire_bytes_per_step'] / b['wire_bytes_per_step']:.3f}"
-              f"   (target <= 0.25, goal <= 0.15)")
+        print(f"wire bytes ratio, whole run (incl. exact warm-up): "
+              f"{g['wire_bytes_per_step'] / b['wire_bytes_per_step']:.3f}")
+        if g.get("steady_wire_ratio") is not None:
+            print(f"wire bytes ratio, after warm-up: {g['steady_wire_ratio']:.3f}"
+                  f"   (target <= 0.25, goal <= 0.15)")
         if b["val_loss"] and g["val_loss"]:
             print(f"validation loss difference: {100 * (g['val_loss'] / b['val_loss'] - 1):+.2f} %"
                   f"   (target <= +1 %)")
-        print(f"step time ratio           : {g['step_time_s'] / b['step_time_s']:.3f}")
-        print(f"optimizer step time ratio : {g['optimizer_time_s'] / max(b['optimizer_time_s'], 1e-9):.3f}")
-        print(f"importance overhead       : {100 * g['importance_time_s'] / g['step_time_s']:.2f} % of "
+        print(f"step time ratio: {g['step_time_s'] / b['step_time_s']:.3f}   (localhost gloo: "
+              f"communication is nearly free here, so fewer bytes cannot show as speed)")
+        print(f"optimizer step time ratio: {g['optimizer_time_s'] / max(b['optimizer_time_s'], 1e-9):.3f}")
+        print(f"importance overhead: {100 * g['importance_time_s'] / g['step_time_s']:.2f} % of "
               f"step time   (target <= 2 %)")
 
 
@@ -118,11 +132,14 @@ def main(argv=None) -> int:
         from megatron_grpo.data import build_default_dataset
 
         build_default_dataset(args.data_path)
-    summaries = {}
+    summaries, records = {}, {}
     for name in names:
         metrics = launch(name, args, extra)
         with open(metrics) as fh:
-            summaries[name] = summarize([json.loads(line) for line in fh])
+            records[name] = [json.loads(line) for line in fh]
+        summaries[name] = summarize(records[name])
+    if "baseline" in records and "grpo" in records:
+        summaries["grpo"]["steady_wire_ratio"] = steady_wire_ratio(records["baseline"], records["grpo"])
     print_report(summaries)
     with open(os.path.join(args.out, "summary.json"), "w") as fh:
         json.dump(summaries, fh, indent=1)
