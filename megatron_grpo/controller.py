@@ -101,8 +101,9 @@ class GRPOController:
         self.monitor = GVRMonitor.from_config(config)
         self.compressor = build_compressor(config.compressor, config.compress_chunk, config.topk_ratio)
         self.ef = ErrorFeedback()
-        self.carry: Dict[int, torch.Tensor] = {}
-        self.accum: Dict[int, List] = {}
+        # Keyed by (unit, bucket index in its group), like the error-feedback residuals.
+        self.carry: Dict[tuple, torch.Tensor] = {}
+        self.accum: Dict[tuple, List] = {}
         self.staging: Dict[int, torch.Tensor] = {}
         self.step = StepPlan()
         self.stats = StepStats()
@@ -176,15 +177,16 @@ class GRPOController:
         self._apply_plan(k, plan)
 
     def _apply_plan(self, k: int, plan: TierPlan) -> None:
-        for index, old, new in plan.moved:
-            if old == "dynamic":
-                residual = self.ef.residual(index)
-                if residual is not None:
-                    # Error feedback owes this unit's gradient what compression held back:
-                    # deliver it with the unit's next sync in its new tier.
-                    self.carry[index] = residual.clone()
-                    self.ef.drop(index)
-            self.accum.pop(index, None)
+        moved = {index for index, old, new in plan.moved}
+        for key in list(self.ef.keys()):
+            if key[0] in moved:
+                # Error feedback owes this bucket what compression held back: deliver it with
+                # the unit's next sync in its new tier (keys are (unit, bucket in group)).
+                self.carry[key] = self.ef.residual(key).clone()
+                self.ef.drop(key)
+        for key in list(self.accum):
+            if key[0] in moved:  # re-tiering happens right after a stable update: empty
+                self.accum.pop(key)
         self.tiers = list(plan.tiers)
         event = {"iteration": k, "reason": plan.reason, "moved": len(plan.moved),
                  "shares": plan.shares,

@@ -64,30 +64,15 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
         return torch.cuda.stream(self.grpo_stream)
 
     def _add_pending(self, scale_first: bool) -> None:
-        """Deliver a carried residual (a unit that left the dynamic tier) with this sync."""
-        carry = self.grpo.carry.pop(self.grpo_unit, None)
-        if carry is None:
-            return
-        flat = self._flat_grad()
-        # Megatron scales by gradient_scaling_factor inside start_grad_sync; the carry is already
-        # scaled, so pre-divide it when the exact path will scale afterwards.
-        factor = self.buckets[0].gradient_scaling_factor
-        flat.add_(carry if scale_first or factor == 1.0 else carry / factor)
-        self._write_flat_grad(flat)
-
-    def _flat_grad(self) -> torch.Tensor:
-        if len(self.buckets) == 1:
-            return self.buckets[0].grad_data
-        return torch.cat([b.grad_data for b in self.buckets])
-
-    def _write_flat_grad(self, flat: torch.Tensor) -> None:
-        if len(self.buckets) == 1:
-            return
-        offset = 0
-        for b in self.buckets:
-            n = b.grad_data.numel()
-            b.grad_data.copy_(flat[offset:offset + n])
-            offset += n
+        """Deliver carried residuals (a unit that left the dynamic tier) with this sync."""
+        for i, b in enumerate(self.buckets):
+            carry = self.grpo.carry.pop((self.grpo_unit, i), None)
+            if carry is None:
+                continue
+            # Megatron scales by gradient_scaling_factor inside start_grad_sync; the carry is
+            # already scaled, so pre-divide it when the exact path will scale afterwards.
+            factor = b.gradient_scaling_factor
+            b.grad_data.add_(carry if scale_first or factor == 1.0 else carry / factor)
 
     # -- gradient sync (replaces _ParamAndGradBucketGroup.start_grad_sync) ---------------------
     def start_grad_sync(self, force_all_reduce: bool = False):
@@ -144,25 +129,24 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
         if ctrl.config.stable_mode != "delayed":
             return
         self._scale()
-        flat = self._flat_grad()
-        acc = ctrl.accum.get(self.grpo_unit)
-        if acc is None:
-            ctrl.accum[self.grpo_unit] = [flat.detach().clone(), 1]
-        else:
-            acc[0].add_(flat)
-            acc[1] += 1
+        for i, b in enumerate(self.buckets):
+            acc = ctrl.accum.get((self.grpo_unit, i))
+            if acc is None:
+                ctrl.accum[(self.grpo_unit, i)] = [b.grad_data.detach().clone(), 1]
+            else:
+                acc[0].add_(b.grad_data)
+                acc[1] += 1
 
     def _merge_stable_accumulator(self) -> None:
         """Update step in delayed mode: sync the mean gradient of the steps since the last one."""
-        acc = self.grpo.accum.pop(self.grpo_unit, None)
-        if acc is None:
-            return
-        factor = self.buckets[0].gradient_scaling_factor
-        flat = self._flat_grad()
-        # acc holds scaled gradients; megatron scales the current one inside start_grad_sync.
-        flat.add_(acc[0] / factor if factor != 1.0 else acc[0])
-        flat.div_(acc[1] + 1)
-        self._write_flat_grad(flat)
+        for i, b in enumerate(self.buckets):
+            acc = self.grpo.accum.pop((self.grpo_unit, i), None)
+            if acc is None:
+                continue
+            factor = b.gradient_scaling_factor
+            # acc holds scaled gradients; megatron scales the current one inside start_grad_sync.
+            b.grad_data.add_(acc[0] / factor if factor != 1.0 else acc[0])
+            b.grad_data.div_(acc[1] + 1)
 
     # -- replaces _ParamAndGradBucketGroup.finish_grad_sync ------------------------------------
     def finish_grad_sync(self, force_all_reduce: bool = False):

@@ -77,6 +77,8 @@ def main():
                 grad_buffer_zero=grads_zero, requires_grad=probe["requires_grad"][i])
         tiers = list(ctrl.tiers)
         base_after(iteration)
+        pending = dict(ef_units=sorted({k[0] for k in ctrl.ef.keys()}),
+                       carry_units=sorted({k[0] for k in ctrl.carry}), tiers_after=list(ctrl.tiers))
         all_params = [p for chunk in probe["built"].ddp_model for p in chunk.module.parameters()]
         dp, comp = ctrl.dp_size, ctrl.compressor
         expected = {"core": 0, "dynamic": 0, "stable": 0}
@@ -95,7 +97,7 @@ def main():
         records.append(dict(tp=ps.get_tensor_model_parallel_rank(),
                             pp=ps.get_pipeline_model_parallel_rank(), iteration=iteration, tiers="".join(t[0] for t in tiers),
                             digest=digest(all_params), frozen=frozen_checks, expected=expected,
-                            stable_update=ctrl.step.stable_update))
+                            stable_update=ctrl.step.stable_update, **pending))
 
     hooks.after_build, hooks.before_step, hooks.after_step = after_build, before_step, after_step
     run(cfg, hooks)

@@ -29,6 +29,20 @@ def test_ranks_agree_on_tiers_and_parameters_bit_for_bit(dp2_probe):
         assert a["digest"] == b["digest"], f"model copies differ after iteration {a['iteration']}"
 
 
+def test_residuals_follow_the_dynamic_tier(dp2_probe):
+    """Error-feedback state exists only for dynamic units; a unit that leaves the tier carries
+    its residual into its next sync (core: the same step; stable: its next update)."""
+    probe, _ = dp2_probe
+    seen_residuals = 0
+    for rank in probe["ranks"]:
+        for rec in rank:
+            tiers = rec["tiers_after"]
+            assert all(tiers[u] == "dynamic" for u in rec["ef_units"]), rec["iteration"]
+            assert all(tiers[u] == "stable" for u in rec["carry_units"]), rec["iteration"]
+            seen_residuals += len(rec["ef_units"])
+    assert seen_residuals > 0
+
+
 def test_frozen_stable_units_do_no_work(dp2_probe):
     probe, _ = dp2_probe
     checked = 0
