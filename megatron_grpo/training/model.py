@@ -131,6 +131,12 @@ def build_model(cfg: PretrainConfig, platform: Platform, tokenizer_vocab_size: i
     if not platform.cpu_mode:
         model = model.to(platform.device)
     num_params = sum(p.numel() for p in model.parameters())
+    if cfg.training.bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        # As Megatron-LM does: cast inputs to bf16 on the first stage and outputs back to fp32
+        # on the last; the distributed optimizer keeps fp32 master weights.
+        model = Float16Module(tf_config, model)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,

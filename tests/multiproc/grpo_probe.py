@@ -90,8 +90,8 @@ def main():
                 if tier == "dynamic":
                     payload = comp.payload_bytes(n // dp)
                     expected[tier] += 2 * (dp - 1) * payload  # all_to_all out + all-gather
-                else:
-                    expected[tier] += 2 * (dp - 1) * (n // dp) * 4
+                else:  # fp32 gradient reduce-scatter + all-gather of the parameters' own dtype
+                    expected[tier] += (dp - 1) * (n // dp) * (4 + b.param_data.element_size())
         from megatron.core import parallel_state as ps
 
         records.append(dict(tp=ps.get_tensor_model_parallel_rank(),

@@ -84,6 +84,19 @@ def test_monitoring_fields(dp2_probe):
     assert 0.05 < metrics[-1]["grpo_share_core"] < 0.3
 
 
+def test_bf16_copies_identical_and_bytes_analytic(stdlib_data, tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    probe = run_probe(tmp_path, 2, [*SMALL_MODEL, *GRPO_SMALL, "--bf16", "--data-path", stdlib_data,
+                                    "--train-iters", "12", "--eval-iters", "0", "--eval-interval", "12",
+                                    "--metrics-file", str(metrics)])
+    r0, r1 = probe["ranks"]
+    assert all(a["digest"] == b["digest"] for a, b in zip(r0, r1))
+    for rec, m in zip(r0, read_metrics(metrics)):
+        for tier in ("core", "dynamic", "stable"):
+            assert m[f"wire_bytes_{tier}"] == rec["expected"][tier], (rec["iteration"], tier)
+    assert m["wire_bytes_dynamic"] > 0
+
+
 def test_all_core_is_bit_identical_to_baseline(stdlib_data, tmp_path):
     common = [*SMALL_MODEL, "--data-path", stdlib_data, "--train-iters", "10", "--eval-interval", "10"]
     base = train_and_read(tmp_path, "base", 2, common)

@@ -109,3 +109,25 @@ def test_pp2_matches_pp1(stdlib_data, dp1_reference, tmp_path):
                                               "--init-from", str(seed)])
     _assert_close(losses(pp2), losses(dp1_reference), 1e-4)
     assert abs(pp2[-1]["val_loss"] - dp1_reference[-1]["val_loss"]) < 1e-3
+
+
+def test_missing_dataset_and_bad_flag_errors_from_the_launcher(tmp_path):
+    import subprocess
+    import sys
+
+    from harness import ENTRY, REPO, env
+
+    def launch(*args):
+        return subprocess.run([sys.executable, ENTRY, *args], cwd=REPO, env=env(),
+                              capture_output=True, text=True, timeout=120)
+
+    missing = str(tmp_path / "nope")
+    proc = launch(*SMALL_MODEL, "--data-path", missing, "--train-iters", "2")
+    assert proc.returncode == 2
+    assert f"error (rank 0): {missing}.bin is missing" in proc.stderr
+    assert "launch/preprocess_data.py" in proc.stderr
+    proc = launch("--data-path", missing, "--hidden-size", "100", "--num-attention-heads", "3")
+    assert proc.returncode == 2
+    assert "error (rank 0): --hidden-size (100) must be divisible by --num-attention-heads (3)" in proc.stderr
+    proc = launch("--data-path", missing, "--grpo", "--grpo-compressor", "zip")
+    assert proc.returncode == 2 and "--grpo-compressor must be one of int4, int8, topk, got 'zip'" in proc.stderr
