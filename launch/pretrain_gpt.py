@@ -21,7 +21,9 @@ def main(argv=None) -> int:
     from megatron_grpo.training.arguments import ConfigError, parse_args
     from megatron_grpo.training.checkpointing import CheckpointError
 
-    rank = os.environ.get("RANK", "0")
+    import socket
+
+    rank = f"{os.environ.get('RANK', '0')} on {socket.gethostname()}"
     try:
         cfg = parse_args(argv, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as exc:

@@ -173,6 +173,8 @@ def validate(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
     for flag, value in positive.items():
         if value is None or value <= 0:
             raise ConfigError(f"{flag} must be a positive integer, got {value}")
+    if p.distributed_timeout_minutes <= 0:
+        raise ConfigError(f"--distributed-timeout-minutes must be > 0, got {p.distributed_timeout_minutes}")
     if t.train_iters < 0:
         raise ConfigError(f"--train-iters must be >= 0, got {t.train_iters}")
     if c.load and c.init_from:

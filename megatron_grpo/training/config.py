@@ -53,6 +53,8 @@ class ParallelConfig:
     """Overlap data-parallel gradient reduce-scatter with the backward pass (megatron DDP)."""
     use_distributed_optimizer: bool = True
     """Shard optimizer state over data-parallel ranks (megatron DistributedOptimizer)."""
+    distributed_timeout_minutes: float = 10.0
+    """Timeout of torch.distributed collectives: a rank stuck waiting on a dead peer fails after it."""
 
 
 @dataclass

@@ -91,7 +91,7 @@ def run(cfg: PretrainConfig, hooks: Optional[RunHooks] = None) -> RunSummary:
     import megatron.core.pipeline_parallel.p2p_communication  # noqa: F401
 
     counter = wire_counter()
-    init_distributed(platform)
+    init_distributed(platform, timeout_s=int(cfg.parallel.distributed_timeout_minutes * 60))
     model_parallel_init(cfg)
 
     from megatron_grpo.data import (MicroBatchIterator, build_gpt_datasets, parse_data_prefix,

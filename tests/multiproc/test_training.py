@@ -112,6 +112,7 @@ def test_pp2_matches_pp1(stdlib_data, dp1_reference, tmp_path):
 
 
 def test_missing_dataset_and_bad_flag_errors_from_the_launcher(tmp_path):
+    import socket
     import subprocess
     import sys
 
@@ -122,12 +123,13 @@ def test_missing_dataset_and_bad_flag_errors_from_the_launcher(tmp_path):
                               capture_output=True, text=True, timeout=120)
 
     missing = str(tmp_path / "nope")
+    who = f"error (rank 0 on {socket.gethostname()})"
     proc = launch(*SMALL_MODEL, "--data-path", missing, "--train-iters", "2")
     assert proc.returncode == 2
-    assert f"error (rank 0): {missing}.bin is missing" in proc.stderr
+    assert f"{who}: {missing}.bin is missing" in proc.stderr
     assert "launch/preprocess_data.py" in proc.stderr
     proc = launch("--data-path", missing, "--hidden-size", "100", "--num-attention-heads", "3")
     assert proc.returncode == 2
-    assert "error (rank 0): --hidden-size (100) must be divisible by --num-attention-heads (3)" in proc.stderr
+    assert f"{who}: --hidden-size (100) must be divisible by --num-attention-heads (3)" in proc.stderr
     proc = launch("--data-path", missing, "--grpo", "--grpo-compressor", "zip")
     assert proc.returncode == 2 and "--grpo-compressor must be one of int4, int8, topk, got 'zip'" in proc.stderr
