@@ -80,3 +80,21 @@ def run_probe(tmp_path, nproc: int, args: Sequence[str], timeout: int = 300) -> 
         raise AssertionError(f"probe failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     with open(out) as fh:
         return json.load(fh)
+
+
+def spawn_ranks(worker, nranks: int = 2, timeout: int = 120) -> list:
+    """Run ``worker(rank, port, queue)`` in ``nranks`` spawned processes (a gloo group on
+    loopback); returns what each put on the queue, in arrival order."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, port, queue)) for r in range(nranks)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=timeout) for _ in procs]
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
+    return results

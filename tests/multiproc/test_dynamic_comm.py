@@ -5,9 +5,8 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from harness import free_port
+from harness import spawn_ranks
 
 STEPS, N = 40, 4096
 
@@ -56,16 +55,7 @@ def _worker(rank, port, queue):
 
 
 def test_error_feedback_exact_through_reduce_scatter_and_identical_param_copies():
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = [queue.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+    results = spawn_ranks(_worker)
     for rank, ef_error, plain_error, identical, gap in results:
         # sum of applied = sum of true - final residual, to fp32 rounding over 40 steps.
         assert ef_error < 1e-4, ef_error

@@ -4,9 +4,8 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from harness import free_port
+from harness import spawn_ranks
 
 
 def _worker(rank, port, queue):
@@ -53,16 +52,7 @@ def _worker(rank, port, queue):
 
 
 def test_each_collective_counted_once_with_ring_volumes():
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+    results = dict(spawn_ranks(_worker))
     for rank in (0, 1):
         r = results[rank]
         assert r["all_reduce"] == 4000                 # 2 (P-1)/P * 4000
