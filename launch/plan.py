@@ -1,0 +1,124 @@
+"""Predict per-GPU memory and per-step data-parallel traffic, megatron baseline vs GRPO.
+
+    python launch/plan.py --config launch/configs/gpt_70b.yaml --nodes 16 --gpus-per-node 8 \
+        --gpu-memory-gb 80 --link-gbps 400 [any training flag, e.g. --micro-batch-size 2]
+    python launch/plan.py --all-presets          # the table in docs/planner.md
+
+Model and GRPO settings are read exactly as launch/pretrain_gpt.py reads them (same YAML, same
+flags, same validation against the world size). Nothing is built and no GPU is needed.
+Formulas and assumptions: docs/planner.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import List, Optional, Sequence, Tuple
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+# The docs table: H100 80 GB nodes of 8 GPUs with one 400 Gb/s NIC per GPU, transformer-engine
+# (flash) attention, a 128,256-token vocabulary (Llama 3 size). Node counts: the smallest that
+# give each preset's TP x PP layout a data-parallel size of at least 4 across nodes (8B: 8).
+PRESETS: Tuple[Tuple[str, str, int], ...] = (
+    ("GPT 8B", "launch/configs/gpt_8b.yaml", 2),
+    ("GPT 70B", "launch/configs/gpt_70b.yaml", 16),
+    ("GPT 200B", "launch/configs/gpt_200b.yaml", 32),
+    ("GPT 405B", "launch/configs/gpt_405b.yaml", 56),
+)
+PRESET_CLUSTER = dict(gpus_per_node=8, gpu_memory_gb=80.0, link_gbps=400.0)
+DEFAULT_VOCAB = 128256
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], allow_abbrev=False,
+        epilog="Any launch/pretrain_gpt.py flag (--config FILE.yaml, --micro-batch-size, --bf16, "
+               "--grpo-*, ...) sets the model and GRPO settings; --data-path is not needed.")
+    p.add_argument("--all-presets", action="store_true",
+                   help="print the docs table for the four launch/configs/gpt_*.yaml presets")
+    p.add_argument("--nodes", type=int, default=1, help="nodes in the job")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node")
+    p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per GPU, GB (10^9 bytes)")
+    p.add_argument("--link-gbps", type=float, default=400.0,
+                   help="inter-node bandwidth per GPU, Gbit/s (one NIC per GPU)")
+    p.add_argument("--nvlink-gbps", type=float, default=3600.0,
+                   help="intra-node bandwidth per GPU, Gbit/s (used when a DP group fits in a node)")
+    p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB,
+                   help="tokenizer vocabulary before padding (the data decides it in training; "
+                        "byte tokenizer: 258)")
+    p.add_argument("--attention", choices=("flash", "unfused"), default="flash",
+                   help="flash: transformer-engine attention on CUDA; unfused: megatron's local "
+                        "spec (CPU mode), which keeps the s x s scores")
+    return p
+
+
+def spec_from_flags(train_argv: Sequence[str], nodes: int, gpus_per_node: int, gpu_memory_gb: float,
+                    link_gbps: float, vocab: int = DEFAULT_VOCAB, attention: str = "flash",
+                    nvlink_gbps: float = 3600.0):
+    """(ModelSpec, ClusterSpec, GRPOConfig, ddp bucket size) from training flags/--config."""
+    from megatron_grpo.planner import ClusterSpec, ModelSpec
+    from megatron_grpo.training.arguments import parse_args
+
+    for flag, value in (("--nodes", nodes), ("--gpus-per-node", gpus_per_node)):
+        if value <= 0:  # checked first: the training parser divides by the world size
+            raise ValueError(f"{flag} must be a positive integer, got {value}")
+    # --data-path is required by the training parser but irrelevant to the plan.
+    cfg = parse_args([*train_argv, "--data-path", "unused-by-the-planner"],
+                     world_size=nodes * gpus_per_node)
+    m, t = cfg.model, cfg.training
+    model = ModelSpec(num_layers=m.num_layers, hidden=m.hidden_size, heads=m.num_attention_heads,
+                      ffn_hidden=m.ffn_hidden_size, vocab=vocab, seq_length=m.seq_length,
+                      micro_batch_size=t.micro_batch_size, bf16=t.bf16,
+                      max_position=m.max_position_embeddings,
+                      make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
+                      flash_attention=attention == "flash",
+                      dropout=m.hidden_dropout > 0 or m.attention_dropout > 0)
+    cluster = ClusterSpec(nodes=nodes, gpus_per_node=gpus_per_node, gpu_memory_gb=gpu_memory_gb,
+                          link_gbps=link_gbps, tp=cfg.parallel.tensor_model_parallel_size,
+                          pp=cfg.parallel.pipeline_model_parallel_size, nvlink_gbps=nvlink_gbps)
+    return model, cluster, cfg.grpo, cfg.parallel.ddp_bucket_size
+
+
+def preset_plans():
+    from megatron_grpo.planner import plan
+
+    out = []
+    for name, config, nodes in PRESETS:
+        model, cluster, grpo, bucket = spec_from_flags(
+            ["--config", os.path.join(REPO, config)], nodes, **PRESET_CLUSTER)
+        out.append((name, plan(model, cluster, grpo, bucket_size=bucket)))
+    return out
+
+
+def presets_table() -> str:
+    from megatron_grpo.planner import format_table
+
+    plans = preset_plans()
+    return format_table([p for _, p in plans], [n for n, _ in plans])
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from megatron_grpo.planner import format_plan, plan
+    from megatron_grpo.training.arguments import ConfigError
+
+    args, train_argv = build_parser().parse_known_args(argv)
+    try:
+        if args.all_presets:
+            print(presets_table())
+            return 0
+        model, cluster, grpo, bucket = spec_from_flags(
+            train_argv, args.nodes, args.gpus_per_node, args.gpu_memory_gb, args.link_gbps,
+            args.vocab_size, args.attention, args.nvlink_gbps)
+        name = next((a for a in train_argv if a.endswith((".yaml", ".yml"))), "model")
+        print(format_plan(plan(model, cluster, grpo, bucket_size=bucket), os.path.basename(name)))
+    except (ConfigError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,512 @@
+"""Planner: per-GPU memory and per-step data-parallel traffic of a GPT run, baseline vs GRPO.
+
+Pure arithmetic over the model's parameter shapes; nothing is built. The DDP bucket layout and
+the baseline's per-step bytes come from ``megatron_grpo.comm.analytic`` (the same layout rules
+the tests check against counted bytes); GRPO's dynamic-tier payloads come from the compressor's
+own ``payload_bytes``. Formulas, assumptions and limits: docs/planner.md.
+
+All memory figures are bytes on one GPU of the reported pipeline stage; all traffic figures are
+bytes one data-parallel rank sends per step under the ring model of ``comm/wire.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+from megatron_grpo.comm.analytic import baseline_step_bytes, ddp_bucket_numels, gpt_param_numels
+from megatron_grpo.comm.compress import build_compressor
+from megatron_grpo.config import TIERS, GRPOConfig
+
+GB = 10 ** 9
+
+
+@dataclass
+class ModelSpec:
+    """A megatron-core GPTModel as launch/pretrain_gpt.py builds it (untied output layer,
+    learned absolute positions, GeLU MLP, no sequence parallelism, no recompute)."""
+
+    num_layers: int
+    """Transformer layers."""
+    hidden: int
+    """Hidden size h."""
+    heads: int
+    """Attention heads a."""
+    ffn_hidden: Optional[int] = None
+    """MLP hidden size f; None means 4 h (as --ffn-hidden-size)."""
+    vocab: int = 128256
+    """Tokenizer vocabulary before megatron's padding (byte tokenizer: 258)."""
+    seq_length: int = 4096
+    """Tokens per sample s."""
+    micro_batch_size: int = 1
+    """Samples per micro-batch b."""
+    bf16: bool = True
+    """bf16 parameters and activations with fp32 master weights; False: all fp32."""
+    max_position: Optional[int] = None
+    """Rows of the position embedding; None means seq_length."""
+    make_vocab_size_divisible_by: int = 128
+    """The vocabulary is padded to a multiple of this times TP (Megatron-LM's rule)."""
+    flash_attention: bool = False
+    """True with transformer-engine's fused/flash attention (CUDA): no s x s scores are kept.
+    False with megatron's local spec (CPU mode): scores and probabilities are kept."""
+    dropout: bool = False
+    """Hidden/attention dropout > 0: dropout masks are kept (the launcher's default is 0)."""
+    softmax_in_fp32: bool = True
+    """megatron's attention_softmax_in_fp32 (its default); only matters without flash attention."""
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden or 4 * self.hidden
+
+    @property
+    def positions(self) -> int:
+        return self.max_position or self.seq_length
+
+    @property
+    def param_bytes(self) -> int:
+        return 2 if self.bf16 else 4
+
+    def padded_vocab(self, tp: int) -> int:
+        multiple = self.make_vocab_size_divisible_by * tp
+        return -(-self.vocab // multiple) * multiple
+
+    def validate(self) -> None:
+        for name in ("num_layers", "hidden", "heads", "vocab", "seq_length", "micro_batch_size",
+                     "make_vocab_size_divisible_by"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelSpec.{name} must be a positive integer, got {value!r}")
+        for name in ("ffn_hidden", "max_position"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"ModelSpec.{name} must be None or a positive integer, got {value!r}")
+        if self.hidden % self.heads:
+            raise ValueError(f"ModelSpec.hidden ({self.hidden}) must be divisible by "
+                             f"ModelSpec.heads ({self.heads})")
+        if self.positions < self.seq_length:
+            raise ValueError(f"ModelSpec.max_position ({self.max_position}) must be >= "
+                             f"ModelSpec.seq_length ({self.seq_length})")
+
+
+@dataclass
+class ClusterSpec:
+    """GPUs and links; megatron's default rank order (TP innermost, then DP, then PP)."""
+
+    nodes: int = 1
+    """Nodes in the job."""
+    gpus_per_node: int = 8
+    """GPUs per node."""
+    gpu_memory_gb: float = 80.0
+    """Memory of one GPU in GB (10^9 bytes)."""
+    link_gbps: float = 400.0
+    """Inter-node bandwidth per GPU, Gbit/s, one direction (one 400G NIC per GPU on DGX H100)."""
+    tp: int = 1
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+    nvlink_gbps: float = 3600.0
+    """Intra-node bandwidth per GPU, Gbit/s, one direction (H100 NVLink: 450 GB/s); used only
+    when a data-parallel group fits inside one node."""
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def dp(self) -> int:
+        return self.world // (self.tp * self.pp)
+
+    @property
+    def dp_spans_nodes(self) -> bool:
+        """Whether some DP group has ranks on two nodes. Stage k owns ranks k*tp*dp onwards and
+        the members of a DP group are tp ranks apart (TP rank 0's group spans the widest)."""
+        first = [k * self.tp * self.dp for k in range(self.pp)]
+        return any(f // self.gpus_per_node != (f + self.tp * (self.dp - 1)) // self.gpus_per_node
+                   for f in first)
+
+    @property
+    def dp_link_gbps(self) -> float:
+        """The slowest hop of the DP ring: every rank's bytes cross it (ring algorithm)."""
+        return self.link_gbps if self.dp_spans_nodes else self.nvlink_gbps
+
+    def validate(self, model: Optional[ModelSpec] = None) -> None:
+        for name in ("nodes", "gpus_per_node", "tp", "pp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ClusterSpec.{name} must be a positive integer, got {value!r}")
+        for name in ("gpu_memory_gb", "link_gbps", "nvlink_gbps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ClusterSpec.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.world % (self.tp * self.pp):
+            raise ValueError(f"ClusterSpec: nodes x gpus_per_node ({self.world}) must be divisible "
+                             f"by tp x pp ({self.tp} x {self.pp})")
+        if model is not None:
+            if model.num_layers % self.pp:
+                raise ValueError(f"ClusterSpec.pp ({self.pp}) must divide ModelSpec.num_layers "
+                                 f"({model.num_layers})")
+            if model.heads % self.tp or model.ffn % self.tp:
+                raise ValueError(f"ClusterSpec.tp ({self.tp}) must divide ModelSpec.heads "
+                                 f"({model.heads}) and the MLP size ({model.ffn})")
+
+
+@dataclass
+class Memory:
+    """Bytes held on one GPU."""
+
+    params: int
+    """Model parameters: megatron's param buffer (padded), bf16 or fp32."""
+    grads: int
+    """Gradient buffer (padded), fp32 (megatron grad_reduce_in_fp32=True)."""
+    master_params: int
+    """fp32 master copy of this rank's optimizer shard; 0 for the fp32 baseline (views)."""
+    optimizer_moments: int
+    """Adam exp_avg + exp_avg_sq, fp32, of this rank's shard (sharded over DP)."""
+    activations: int
+    """Tensors saved for backward of all in-flight micro-batches (formula: docs/planner.md)."""
+    error_feedback: int = 0
+    """GRPO: fp32 residual per dynamic-tier element, on every DP rank."""
+    delayed_accumulators: int = 0
+    """GRPO --grpo-stable-mode delayed: fp32 gradient accumulator per stable-tier element."""
+    offloaded: int = 0
+    """Bytes moved to host/SSD: 0, the offload tier is not built yet."""
+
+    @property
+    def optimizer(self) -> int:
+        return self.master_params + self.optimizer_moments
+
+    @property
+    def model_state(self) -> int:
+        return (self.params + self.grads + self.master_params + self.optimizer_moments
+                + self.error_feedback + self.delayed_accumulators - self.offloaded)
+
+    @property
+    def total(self) -> int:
+        return self.model_state + self.activations
+
+
+@dataclass
+class TierTraffic:
+    """Bytes one rank sends per step in GRPO's steady state, by tier."""
+
+    core: int
+    """Exact reduce-scatter (fp32) + all-gather (param dtype) of the core units, every step."""
+    dynamic: int
+    """Compressed all_to_all of gradients + compressed (or exact) parameter gather, every step."""
+    stable_update: int
+    """Exact sync of the stable units on their update step (0 bytes on the other steps)."""
+    stable_interval: int
+    """Steps between stable updates."""
+
+    @property
+    def stable_average(self) -> float:
+        return self.stable_update / self.stable_interval
+
+    @property
+    def per_step(self) -> float:
+        """Average over a stable interval."""
+        return self.core + self.dynamic + self.stable_average
+
+
+@dataclass
+class Plan:
+    """What ``plan`` predicts for one model on one cluster."""
+
+    model: ModelSpec
+    """The model planned."""
+    cluster: ClusterSpec
+    """The cluster planned."""
+    grpo: GRPOConfig
+    """GRPO settings (used for the GRPO column whether or not ``enabled`` is set)."""
+    memory_stage: int
+    """Pipeline stage the memory figures are for (the most loaded one unless ``stage`` given)."""
+    traffic_stage: int
+    """Pipeline stage the traffic figures are for (the most loaded one unless ``stage`` given)."""
+    baseline_memory: Memory
+    """Per-GPU memory of the megatron baseline."""
+    grpo_memory: Memory
+    """Per-GPU memory with GRPO (its unit layout, separate fp32 masters, error feedback)."""
+    baseline_buckets: List[int]
+    """Padded elements of each megatron DDP bucket of the traffic stage (baseline layout)."""
+    baseline_grad_bytes: int
+    """Baseline reduce-scatter bytes per step (analytic.baseline_step_bytes)."""
+    baseline_param_bytes: int
+    """Baseline parameter all-gather bytes per step."""
+    units: List[int]
+    """Padded elements of each GRPO tier unit of the traffic stage (--grpo-bucket-mb layout)."""
+    tiers: List[str]
+    """Tier of each unit when given explicitly; empty when the quota shares are assumed."""
+    tier_elements: Dict[str, float]
+    """Gradient elements per tier on the traffic stage (fractional under quota shares)."""
+    grpo_traffic: TierTraffic
+    """GRPO's steady-state bytes per step, by tier."""
+    grpo_warmup_bytes: int
+    """Bytes per step while every unit is core (GRPO warm-up), on GRPO's unit layout."""
+
+    baseline_bytes = property(lambda self: self.baseline_grad_bytes + self.baseline_param_bytes)
+    grpo_bytes = property(lambda self: self.grpo_traffic.per_step)  # steady-state average
+
+    @property
+    def ratio(self) -> float:
+        return self.grpo_bytes / self.baseline_bytes if self.baseline_bytes else 0.0
+
+    def wire_seconds(self, nbytes: float) -> float:
+        """Time to push ``nbytes`` through the DP ring's slowest link (no overlap assumed)."""
+        return nbytes * 8 / (self.cluster.dp_link_gbps * 1e9)
+
+    baseline_wire_s = property(lambda self: self.wire_seconds(self.baseline_bytes))
+    grpo_wire_s = property(lambda self: self.wire_seconds(self.grpo_bytes))
+
+    def fits(self, memory: Memory) -> bool:
+        return memory.total <= self.cluster.gpu_memory_gb * GB
+
+
+# ---------------------------------------------------------------------------------- activations
+def layer_activation_bytes(model: ModelSpec, tp: int) -> int:
+    """Bytes one transformer layer keeps for backward, per micro-batch (no recompute, no
+    sequence parallelism; Korthikanti et al. 2022, eq. 2, generalised to e-byte activations,
+    f != 4h, flash attention and megatron's fp32 softmax)."""
+    s, b, h, a, f = model.seq_length, model.micro_batch_size, model.hidden, model.heads, model.ffn
+    e = model.param_bytes
+    sbh, sbf = s * b * h, s * b * f
+    # Replicated over TP: inputs of both layernorms and of QKV and fc1 (the layernorm outputs).
+    total = 4 * sbh * e
+    # Split over TP: Q, K, V; attention context (linear_proj input); GeLU input; fc2 input.
+    total += (4 * sbh + 2 * sbf) * e // tp
+    scores = a * s * s * b // tp
+    if model.flash_attention:
+        total += 4 * a * s * b // tp  # fp32 log-sum-exp per row, kept instead of the scores
+    else:
+        # Softmax output (fp32 under softmax_in_fp32) is kept for the softmax backward; the
+        # bf16 probabilities cast from it are kept again by the probabilities x V matmul.
+        total += scores * (4 + e if model.bf16 and model.softmax_in_fp32 else e)
+        if model.dropout:
+            total += scores * (1 + e)  # attention-dropout mask and its output (bmm input)
+    if model.dropout:
+        total += 2 * sbh  # one-byte masks of the two hidden dropouts
+    total += 2 * 8 * s * b  # fp32 mean and rstd of the two layernorms
+    return total
+
+
+def stage_activation_bytes(model: ModelSpec, cluster: ClusterSpec, stage: int) -> int:
+    """Activations held on one GPU of ``stage`` at the peak of a 1F1B step: pp - stage
+    micro-batches in flight (assumes at least pp micro-batches per step; 1 without pipelining)."""
+    s, b, h = model.seq_length, model.micro_batch_size, model.hidden
+    tp, pp = cluster.tp, cluster.pp
+    per_mb = model.num_layers // pp * layer_activation_bytes(model, tp)
+    if stage == 0:
+        per_mb += 2 * 8 * s * b  # token and position ids kept by the embeddings (int64)
+        if model.dropout:
+            per_mb += s * b * h  # embedding dropout mask
+    if stage == pp - 1:
+        e = model.param_bytes
+        # Final layernorm input and output (the output layer's input), its stats, and the
+        # cross-entropy's fp32 softmax of the logits over this TP rank's vocabulary slice.
+        per_mb += 2 * s * b * h * e + 8 * s * b + 4 * s * b * model.padded_vocab(tp) // tp
+        per_mb += 9 * s * b  # labels-side target mask (bool) and int64 target ids
+    constant = 0 if model.flash_attention else s * s  # the bool causal mask, one per step
+    return (pp - stage) * per_mb + constant
+
+
+# ---------------------------------------------------------------------------------- the plan
+def stage_param_numels(model: ModelSpec, cluster: ClusterSpec, stage: int) -> List[int]:
+    """Parameter sizes of one TP rank of ``stage`` in named_parameters() order."""
+    return gpt_param_numels(model.num_layers // cluster.pp, model.hidden, model.ffn,
+                            model.padded_vocab(cluster.tp), model.positions, tp=cluster.tp,
+                            pre_process=stage == 0, post_process=stage == cluster.pp - 1)
+
+
+def _unit_bytes(numel: int, dp: int, param_bytes: int) -> int:
+    """Exact sync of one unit: fp32 reduce-scatter + all-gather in the param dtype."""
+    return (dp - 1) * (numel // dp) * (4 + param_bytes) if dp > 1 else 0
+
+
+def _dynamic_bytes(numel: int, dp: int, param_bytes: int, grpo: GRPOConfig, compressor) -> int:
+    if dp <= 1:
+        return 0
+    payload = (dp - 1) * compressor.payload_bytes(numel // dp)  # all_to_all: dp-1 shards leave
+    gather = payload if grpo.compress_param_gather else (dp - 1) * (numel // dp) * param_bytes
+    return payload + gather
+
+
+def _parse_tiers(tiers: Sequence[str], n_units: int) -> List[str]:
+    """Tier names from names or one-letter codes (a metrics ``grpo_tier_map`` string works)."""
+    letters = {t[0]: t for t in TIERS}
+    out = [t if t in TIERS else letters.get(t) for t in map(str, tiers)]
+    if len(out) != n_units or None in out:
+        raise ValueError(f"tiers must give one of {'/'.join(TIERS)} (or c/d/s) per GRPO unit of the "
+                         f"stage ({n_units} units), got {len(out)} entries: "
+                         f"{' '.join(map(str, tiers))[:80]!r}")
+    return out
+
+
+def _memory(model: ModelSpec, cluster: ClusterSpec, buckets: List[int], unpadded: int,
+            activations: int, separate_fp32_master: bool, ef_elements: float = 0.0,
+            accum_elements: float = 0.0) -> Memory:
+    padded, dp = sum(buckets), cluster.dp
+    # The distributed optimizer keeps state only for real parameter elements of this rank's
+    # shard; averaged over ranks that is unpadded / dp (a rank differs by at most its padding).
+    shard = unpadded / dp
+    master = 4 * shard if (model.bf16 or separate_fp32_master) else 0
+    return Memory(params=padded * model.param_bytes, grads=padded * 4,
+                  master_params=round(master), optimizer_moments=round(8 * shard),
+                  activations=activations, error_feedback=round(4 * ef_elements),
+                  delayed_accumulators=round(4 * accum_elements))
+
+
+def plan(model: ModelSpec, cluster: ClusterSpec, grpo: GRPOConfig,
+         bucket_size: Optional[int] = None, tiers: Optional[Sequence[str]] = None,
+         stage: Optional[int] = None) -> Plan:
+    """Predict memory and DP traffic, baseline vs GRPO.
+
+    ``bucket_size``: the baseline's DDP bucket (elements); None is megatron's default
+    max(4e7, 1e6 dp). As megatron does, stages after the first use one bucket in the baseline;
+    GRPO keeps ``grpo.bucket_elements`` buckets on every stage. ``tiers``: one tier per GRPO
+    unit of ``stage`` (e.g. metrics ``grpo_tier_map``) for exact bytes; None assumes the quota
+    shares by element. ``stage``: report this pipeline stage (required with ``tiers`` when pp > 1);
+    None reports the stage with the most memory and the stage with the most traffic.
+    """
+    model.validate()
+    cluster.validate(model)
+    grpo.validate()
+    dp, pb, pp = cluster.dp, model.param_bytes, cluster.pp
+    if stage is not None and not (isinstance(stage, int) and 0 <= stage < pp):
+        raise ValueError(f"stage must be an integer in [0, {pp - 1}], got {stage!r}")
+    if tiers is not None and stage is None:
+        if pp > 1:
+            raise ValueError("stage must be given with explicit tiers when pp > 1 "
+                             "(tier maps are per stage)")
+        stage = 0
+    if bucket_size is not None and (not isinstance(bucket_size, int) or bucket_size <= 0):
+        raise ValueError(f"bucket_size must be None or a positive integer, got {bucket_size!r}")
+    default_bucket = bucket_size or max(40_000_000, 1_000_000 * dp)
+    compressor = build_compressor(grpo.compressor, grpo.compress_chunk, grpo.topk_ratio)
+
+    per_stage = []
+    for st in range(pp):
+        numels = stage_param_numels(model, cluster, st)
+        base = ddp_bucket_numels(numels, default_bucket if st == 0 else None, dp)
+        units = ddp_bucket_numels(numels, grpo.bucket_elements, dp)
+        per_stage.append((st, numels, base, units, stage_activation_bytes(model, cluster, st)))
+
+    def stage_memory(entry, share_tiers: Optional[List[str]]):
+        st, numels, base, units, act = entry
+        baseline = _memory(model, cluster, base, sum(numels), act, separate_fp32_master=False)
+        elements = _tier_elements(units, share_tiers, grpo)
+        accum = elements["stable"] if grpo.stable_mode == "delayed" else 0.0
+        g = _memory(model, cluster, units, sum(numels), act, separate_fp32_master=True,
+                    ef_elements=elements["dynamic"] if dp > 1 else 0.0, accum_elements=accum)
+        return baseline, g
+
+    if stage is not None:
+        mem_entry = traffic_entry = per_stage[stage]
+    else:
+        mem_entry = max(per_stage, key=lambda e: stage_memory(e, None)[1].total)
+        traffic_entry = max(per_stage, key=lambda e: sum(baseline_step_bytes(e[2], dp, 4, pb)))
+    units = traffic_entry[3]
+    tier_list = _parse_tiers(tiers, len(units)) if tiers is not None else []
+    baseline_memory, grpo_memory = stage_memory(mem_entry, tier_list or None)
+    grad_bytes, param_bytes = baseline_step_bytes(traffic_entry[2], dp, 4, pb)
+
+    exact = [_unit_bytes(n, dp, pb) for n in units]
+    dyn = [_dynamic_bytes(n, dp, pb, grpo, compressor) for n in units]
+    if tier_list:
+        core = sum(x for x, t in zip(exact, tier_list) if t == "core")
+        dynamic = sum(x for x, t in zip(dyn, tier_list) if t == "dynamic")
+        stable = sum(x for x, t in zip(exact, tier_list) if t == "stable")
+    else:  # quota shares by element, applied to the stage's per-unit bytes
+        core = round(grpo.core_share * sum(exact))
+        dynamic = round(grpo.dynamic_share * sum(dyn))
+        stable = round(grpo.stable_share * sum(exact))
+    return Plan(model=model, cluster=cluster, grpo=grpo, memory_stage=mem_entry[0],
+                traffic_stage=traffic_entry[0], baseline_memory=baseline_memory,
+                grpo_memory=grpo_memory, baseline_buckets=list(traffic_entry[2]),
+                baseline_grad_bytes=grad_bytes, baseline_param_bytes=param_bytes, units=list(units),
+                tiers=tier_list, tier_elements=_tier_elements(units, tier_list or None, grpo),
+                grpo_traffic=TierTraffic(core, dynamic, stable, grpo.stable_interval),
+                grpo_warmup_bytes=sum(exact))
+
+
+def _tier_elements(units: List[int], tiers: Optional[List[str]],
+                   grpo: GRPOConfig) -> Dict[str, float]:
+    if tiers is not None and len(tiers) == len(units):
+        return {t: float(sum(n for n, x in zip(units, tiers) if x == t)) for t in TIERS}
+    total = sum(units)
+    return {"core": grpo.core_share * total, "dynamic": grpo.dynamic_share * total,
+            "stable": grpo.stable_share * total}
+
+
+# ---------------------------------------------------------------------------------- output
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / GB:.2f}"
+
+
+def format_plan(p: Plan, name: str = "") -> str:
+    """A plain-text breakdown, baseline beside GRPO (what launch/plan.py prints)."""
+    m, c = p.model, p.cluster
+    # GB for cluster-sized models; MB (10^6) so that small CPU models do not print 0.00.
+    unit, scale = ("GB", GB) if p.baseline_memory.total >= GB else ("MB", 10 ** 6)
+
+    def fmt(nbytes: float) -> str:
+        return f"{nbytes / scale:.2f}"
+
+    ring = "inter-node links" if c.dp_spans_nodes else "NVLink"
+    lines = [f"{name or 'model'}: {m.num_layers} layers, hidden {m.hidden}, {m.heads} heads, "
+             f"ffn {m.ffn}, vocab {m.vocab} (padded {m.padded_vocab(c.tp)}), seq {m.seq_length}, "
+             f"micro-batch {m.micro_batch_size}, {'bf16' if m.bf16 else 'fp32'}, "
+             f"{'flash' if m.flash_attention else 'unfused'} attention",
+             f"cluster: {c.nodes} x {c.gpus_per_node} GPUs, {c.gpu_memory_gb:g} GB each, "
+             f"TP {c.tp} x PP {c.pp} x DP {c.dp}; DP ring over {ring} at {c.dp_link_gbps:g} Gb/s per GPU",
+             f"{'memory per GPU, ' + unit + ' (pipeline stage ' + str(p.memory_stage) + '):':<42}"
+             f"{'baseline':>10}{'GRPO':>10}"]
+    rows = [("parameters", "params"), ("gradients (fp32)", "grads"),
+            ("fp32 master params", "master_params"), ("Adam moments", "optimizer_moments"),
+            ("activations", "activations"),
+            ("error feedback", "error_feedback"), ("delayed accumulators", "delayed_accumulators"),
+            ("offloaded (not built)", "offloaded"), ("model state", "model_state"), ("total", "total")]
+    for label, attr in rows:
+        lines.append(f"  {label:<40}{fmt(getattr(p.baseline_memory, attr)):>10}"
+                     f"{fmt(getattr(p.grpo_memory, attr)):>10}")
+    fits = ["yes" if p.fits(x) else "NO" for x in (p.baseline_memory, p.grpo_memory)]
+    lines.append(f"  {'fits in ' + format(c.gpu_memory_gb, 'g') + ' GB':<40}{fits[0]:>10}{fits[1]:>10}")
+    t = p.grpo_traffic
+    total = sum(p.tier_elements.values()) or 1.0
+    shares = ", ".join(f"{k} {v / total:.1%}" for k, v in p.tier_elements.items())
+    lines += [f"DP traffic per rank per step, {unit} (pipeline stage {p.traffic_stage}; "
+              f"{len(p.baseline_buckets)} baseline buckets, {len(p.units)} GRPO units; tiers "
+              f"{'as given' if p.tiers else 'at quota'}: {shares})",
+              f"  baseline: {fmt(p.baseline_bytes)} (reduce-scatter {fmt(p.baseline_grad_bytes)} + "
+              f"all-gather {fmt(p.baseline_param_bytes)}), wire {p.baseline_wire_s * 1e3:.3g} ms",
+              f"  GRPO:     {fmt(p.grpo_bytes)} (core {fmt(t.core)} + dynamic {fmt(t.dynamic)} + "
+              f"stable {fmt(t.stable_update)}/{t.stable_interval}), wire {p.grpo_wire_s * 1e3:.3g} ms, "
+              f"ratio {p.ratio:.3f}; warm-up steps {fmt(p.grpo_warmup_bytes)}"]
+    return "\n".join(lines)
+
+
+def format_table(plans: Sequence[Plan], names: Optional[Sequence[str]] = None) -> str:
+    """Markdown tables (memory, then traffic) with one row per plan, for docs/planner.md."""
+    if names is None:
+        names = [f"{p.model.num_layers}L-{p.model.hidden}h" for p in plans]
+    names = list(names)
+    if len(names) != len(plans):
+        raise ValueError(f"names must have one entry per plan ({len(plans)}), got {len(names)}")
+    out = ["| preset (GB per GPU) | GPUs (nodes x per node) | TP x PP x DP | params | grads | "
+           "master + Adam, base / GRPO | activations | EF (GRPO) | total, base / GRPO | "
+           "fits, base / GRPO |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, p in zip(names, plans):
+        c, b, g = p.cluster, p.baseline_memory, p.grpo_memory
+        fit = "/".join("yes" if p.fits(x) else "no" for x in (b, g))
+        out.append(f"| {name} | {c.world} ({c.nodes} x {c.gpus_per_node}) | {c.tp} x {c.pp} x {c.dp} "
+                   f"| {_gb(b.params)} | {_gb(b.grads)} | {_gb(b.optimizer)} / {_gb(g.optimizer)} "
+                   f"| {_gb(b.activations)} | {_gb(g.error_feedback)} | {_gb(b.total)} / {_gb(g.total)} "
+                   f"| {fit} |")
+    out += ["", "| preset (per DP rank) | DP link, Gb/s per GPU | baseline GB/step | GRPO GB/step "
+            "(core + dynamic + stable avg) | ratio | wire time base / GRPO, ms |",
+            "|---|---|---|---|---|---|"]
+    for name, p in zip(names, plans):
+        t = p.grpo_traffic
+        out.append(f"| {name} | {p.cluster.dp_link_gbps:g} | {_gb(p.baseline_bytes)} "
+                   f"| {_gb(p.grpo_bytes)} ({_gb(t.core)} + {_gb(t.dynamic)} + "
+                   f"{_gb(t.stable_average)}) | {p.ratio:.3f} | "
+                   f"{p.baseline_wire_s * 1e3:.0f} / {p.grpo_wire_s * 1e3:.0f} |")
+    return "\n".join(out)

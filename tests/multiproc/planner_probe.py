@@ -1,0 +1,136 @@
+"""Runs a real training (launch flags) under torchrun and measures what the planner predicts.
+
+    torchrun --nproc_per_node 2 tests/multiproc/planner_probe.py OUT.json <training flags...>
+
+Measured on every rank, from the actual tensors (not from formulas):
+* model-state bytes after the last step: megatron DDP buffers (param_data, grad_data), the
+  torch optimizer's exp_avg/exp_avg_sq, fp32 master params that have their own storage (not a
+  view of a DDP buffer), GRPO error-feedback residuals and delayed accumulators;
+* per iteration: the tier map and error-feedback bytes (GRPO);
+* activations: bytes of the distinct non-parameter storages autograd saves for backward during
+  one training-mode forward of one micro-batch (``torch.autograd.graph.saved_tensors_hooks``).
+Rank 0 writes everything (gathered from all ranks) to OUT.json.
+"""
+
+import json
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+
+
+def _ptr(t) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def model_state_bytes(built, ctrl) -> dict:
+    from megatron_grpo.training.model import optimizer_list
+
+    out = dict(params=0, grads=0, master_params=0, optimizer_moments=0, error_feedback=0,
+               delayed_accumulators=0, params_outside_buffers=0)
+    buffer_ptrs = set()
+    for chunk in built.ddp_model:
+        for buf in chunk.buffers + chunk.expert_parallel_buffers:
+            if buf.param_data is not None:
+                out["params"] += buf.param_data.numel() * buf.param_data.element_size()
+                buffer_ptrs.add(_ptr(buf.param_data))
+            out["grads"] += buf.grad_data.numel() * buf.grad_data.element_size()
+            buffer_ptrs.add(_ptr(buf.grad_data))
+        for p in chunk.module.parameters():
+            if _ptr(p) not in buffer_ptrs:  # a parameter megatron left outside its buffers
+                out["params_outside_buffers"] += p.numel() * p.element_size()
+    seen = set()
+    for opt in optimizer_list(built.optimizer):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for master in group["params"]:
+                # fp32 baseline: masters are views of the param buffer (no memory of their own).
+                if _ptr(master) not in buffer_ptrs and _ptr(master) not in seen:
+                    seen.add(_ptr(master))
+                    out["master_params"] += master.untyped_storage().nbytes()
+                for key in ("exp_avg", "exp_avg_sq"):
+                    t = inner.state.get(master, {}).get(key)
+                    if t is not None:
+                        out["optimizer_moments"] += t.numel() * t.element_size()
+    if ctrl is not None:
+        out["error_feedback"] = ctrl.ef.nbytes()
+        out["delayed_accumulators"] = sum(a[0].numel() * a[0].element_size() for a in ctrl.accum.values())
+    return out
+
+
+def saved_activation_bytes(built, cfg) -> dict:
+    """One forward of one micro-batch in training mode; sums what autograd keeps for backward."""
+    import torch
+
+    model = built.ddp_model[0]
+    params = list(model.module.parameters())
+    for p in params:
+        p.requires_grad_(True)
+    param_ptrs = {_ptr(p) for p in params}
+    storages, views = {}, [0]
+
+    def pack(t):
+        views[0] += t.numel() * t.element_size()
+        ptr = _ptr(t)
+        if ptr not in param_ptrs:
+            storages[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    b, s = cfg.training.micro_batch_size, cfg.model.seq_length
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (b, s), generator=gen)
+    labels = torch.randint(0, 256, (b, s), generator=gen)
+    position_ids = torch.arange(s).repeat(b, 1)  # one row per sample, as the data loader gives
+    mask = torch.tril(torch.ones(1, 1, s, s)) < 0.5
+    model.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(tokens, position_ids, mask, labels=labels)
+    shape = list(loss.shape)
+    del loss
+    return dict(storages=sum(storages.values()), views=views[0], loss_shape=shape)
+
+
+def main():
+    import torch.distributed as dist
+
+    from megatron_grpo.megatron import grpo_hooks, grpo_optimizers
+    from megatron_grpo.training.arguments import parse_args
+    from megatron_grpo.training.loop import RunHooks, run
+
+    out_path, argv = sys.argv[1], sys.argv[2:]
+    cfg = parse_args(argv, world_size=int(os.environ["WORLD_SIZE"]))
+    hooks = grpo_hooks(cfg) if cfg.grpo.enabled else RunHooks()
+    probe = {"ctrl": None, "steps": []}
+    base_after_build, base_after = hooks.after_build, hooks.after_step
+
+    def after_build(built):
+        base_after_build(built)
+        probe["built"] = built
+        opts = grpo_optimizers(built.optimizer)
+        probe["ctrl"] = opts[0].grpo if opts else None
+
+    def after_step(iteration):
+        base_after(iteration)
+        ctrl = probe["ctrl"]
+        if ctrl is not None:
+            probe["steps"].append(dict(iteration=iteration, ef_bytes=ctrl.ef.nbytes(),
+                                       tiers="".join(t[0] for t in ctrl.tiers)))
+
+    hooks.after_build, hooks.after_step = after_build, after_step
+    run(cfg, hooks)
+    built, ctrl = probe["built"], probe["ctrl"]
+    record = dict(rank=dist.get_rank(), state=model_state_bytes(built, ctrl), steps=probe["steps"],
+                  units=[u.numel for u in ctrl.units] if ctrl is not None else [],
+                  activations=saved_activation_bytes(built, cfg))
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, record)
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as fh:
+            json.dump({"ranks": gathered}, fh)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

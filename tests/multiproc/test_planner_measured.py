@@ -1,0 +1,128 @@
+"""The planner's predictions against real 2-rank gloo runs of megatron-core (SMALL model).
+
+Three runs of 12 iterations through tests/multiproc/planner_probe.py (the real training loop,
+plus measurement of the actual tensors): the fp32 baseline, GRPO in fp32 and GRPO in bf16.
+GRPO_SMALL tiers the units at iteration 9; iteration 12 is a stable update step.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from harness import GRPO_SMALL, REPO, SMALL_MODEL, env, free_port, read_metrics
+
+from megatron_grpo.planner import plan, stage_activation_bytes
+
+# launch/plan.py reads training flags exactly as the planner CLI does.
+_spec = importlib.util.spec_from_file_location("plan_cli", os.path.join(REPO, "launch", "plan.py"))
+plan_cli = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(plan_cli)
+
+COMMON = [*SMALL_MODEL, "--train-iters", "12", "--eval-iters", "0", "--eval-interval", "12"]
+RUNS = {"base": [], "grpo": GRPO_SMALL, "grpo_bf16": [*GRPO_SMALL, "--bf16"]}
+
+
+def _probe(tmp, name, data, args):
+    out, metrics = str(tmp / f"{name}.json"), str(tmp / f"{name}.jsonl")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+           os.path.join(REPO, "tests", "multiproc", "planner_probe.py"), out, *COMMON, *args,
+           "--data-path", data, "--metrics-file", metrics, "--run-name", name]
+    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise AssertionError(f"probe {name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    with open(out) as fh:
+        return json.load(fh)["ranks"], read_metrics(metrics)
+
+
+@pytest.fixture(scope="module")
+def runs(stdlib_data, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("planner")
+    return {name: _probe(tmp, name, stdlib_data, args) for name, args in RUNS.items()}
+
+
+def _plan(args, tiers=None):
+    # The byte tokenizer's 258 ids; CPU mode runs megatron's local spec (unfused attention).
+    model, cluster, grpo, bucket = plan_cli.spec_from_flags(
+        [*COMMON, *args], nodes=1, gpus_per_node=2, gpu_memory_gb=1.0, link_gbps=1.0, vocab=258,
+        attention="unfused")
+    return plan(model, cluster, grpo, bucket_size=bucket, tiers=tiers)
+
+
+def test_baseline_bytes_predicted_exactly(runs):
+    _, metrics = runs["base"]
+    p = _plan([])
+    assert (p.baseline_grad_bytes, p.baseline_param_bytes) == (608768, 608768)
+    assert len(metrics) == 12
+    for r in metrics:
+        assert r["wire_bytes_grad_reduce"] == p.baseline_grad_bytes, r["iteration"]
+        assert r["wire_bytes_param_gather"] == p.baseline_param_bytes, r["iteration"]
+    # GRPO's warm-up (every unit core) on its own unit layout, with bf16 parameter all-gathers.
+    _, bf16 = runs["grpo_bf16"]
+    warm = _plan(RUNS["grpo_bf16"]).grpo_warmup_bytes
+    assert warm == 913152
+    assert [r["wire_bytes_core"] for r in bf16[:8]] == [warm] * 8
+
+
+@pytest.mark.parametrize("name", ["grpo", "grpo_bf16"])
+def test_grpo_tier_bytes_predicted_exactly_from_the_run_tiers(runs, name):
+    ranks, metrics = runs[name]
+    tiered = [r for r in metrics if set(r["grpo_tier_map"]) != {"c"}]
+    assert [r["iteration"] for r in tiered] == [9, 10, 11, 12]
+    checked = {"between": 0, "update": 0}
+    for r in tiered:
+        p = _plan(RUNS[name], tiers=r["grpo_tier_map"])
+        assert p.units == ranks[0]["units"]  # the controller's units: megatron's bucket layout
+        assert r["wire_bytes_core"] == p.grpo_traffic.core, r["iteration"]
+        assert r["wire_bytes_dynamic"] == p.grpo_traffic.dynamic, r["iteration"]
+        expected_stable = p.grpo_traffic.stable_update if r["grpo_stable_update"] else 0
+        assert r["wire_bytes_stable"] == expected_stable, r["iteration"]
+        checked["update" if r["grpo_stable_update"] else "between"] += 1
+        assert p.grpo_traffic.dynamic > 0 and p.grpo_traffic.stable_update > 0
+    assert checked == {"between": 3, "update": 1}
+
+
+@pytest.mark.parametrize("name", ["base", "grpo", "grpo_bf16"])
+def test_model_state_memory_within_10_percent(runs, name):
+    ranks, metrics = runs[name]
+    tiers = metrics[-1].get("grpo_tier_map")
+    p = _plan(RUNS[name], tiers=tiers)
+    predicted = p.grpo_memory if tiers else p.baseline_memory
+    for rank in ranks:
+        got = rank["state"]
+        assert got["params_outside_buffers"] == 0
+        # Buffers and residuals have exact sizes; the optimizer shard of one rank differs from
+        # the average (unpadded / dp) by the padding inside its half of each bucket.
+        assert got["params"] == predicted.params
+        assert got["grads"] == predicted.grads
+        assert got["error_feedback"] == predicted.error_feedback
+        if tiers:
+            assert got["error_feedback"] == metrics[-1]["grpo_ef_bytes"] > 0
+        for key in ("master_params", "optimizer_moments"):
+            assert abs(got[key] - getattr(predicted, key)) <= 0.01 * getattr(predicted, key) + 1, key
+        measured = sum(got[k] for k in ("params", "grads", "master_params", "optimizer_moments",
+                                        "error_feedback", "delayed_accumulators"))
+        assert abs(measured - predicted.model_state) <= 0.10 * measured, (measured, predicted.model_state)
+        for step in rank["steps"]:  # residuals exist exactly for the dynamic units, every step
+            ef = _plan(RUNS[name], tiers=step["tiers"]).grpo_memory.error_feedback
+            assert step["ef_bytes"] == ef, step["iteration"]  # 0 during the all-core warm-up
+    # fp32 baseline masters are views of the param buffer; GRPO gives them their own storage.
+    assert (ranks[0]["state"]["master_params"] > 0) == (name != "base")
+
+
+@pytest.mark.parametrize("name", ["base", "grpo_bf16"])
+def test_activation_memory_within_1_percent(runs, name):
+    ranks, _ = runs[name]
+    p = _plan(RUNS[name])
+    predicted = stage_activation_bytes(p.model, p.cluster, 0)
+    assert predicted == p.baseline_memory.activations
+    for rank in ranks:
+        measured = rank["activations"]["storages"]
+        assert rank["activations"]["loss_shape"] == [2, 64]
+        # The issue asks for 10 %; the formula is held to 1 % so that a missing term (e.g. the
+        # fp32 softmax copy, 9 % of this model's bf16 activations) cannot hide in the margin.
+        assert abs(measured - predicted) <= 0.01 * measured, (measured, predicted)

@@ -1,0 +1,191 @@
+"""The planner's formulas on hand-checked numbers (pure: no process group, no model built).
+
+Multi-process runs that compare the planner with measured bytes and tensors:
+tests/multiproc/test_planner_measured.py.
+"""
+
+import importlib.util
+import os
+
+import pytest
+
+from megatron_grpo.comm.analytic import ddp_bucket_numels
+from megatron_grpo.config import GRPOConfig
+from megatron_grpo.planner import (ClusterSpec, ModelSpec, format_plan, format_table,
+                                   layer_activation_bytes, plan, stage_activation_bytes,
+                                   stage_param_numels)
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# tests/harness.py SMALL_MODEL + GRPO_SMALL, as run on 2 gloo ranks in the measured tests.
+SMALL = dict(num_layers=2, hidden=96, heads=4, vocab=258, seq_length=64, micro_batch_size=2)
+SMALL_GRPO = GRPOConfig(enabled=True, bucket_mb=0.04, warmup_iters=6, retier_interval=8,
+                        stable_interval=4, gvr_interval=4)
+TWO_RANKS = ClusterSpec(nodes=1, gpus_per_node=2)
+
+
+def _load_cli():
+    spec = importlib.util.spec_from_file_location("plan_cli", os.path.join(REPO, "launch", "plan.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_layer_activations_are_korthikanti_eq2(tp):
+    # Their setting: 16-bit activations and softmax, dropout on, f = 4h, no sequence parallel:
+    # s b h (10 + 24/t + 5 a s / (h t)) bytes per layer, plus the layernorms' fp32 mean/rstd.
+    m = ModelSpec(num_layers=1, hidden=1024, heads=16, seq_length=2048, micro_batch_size=2,
+                  bf16=True, dropout=True, softmax_in_fp32=False)
+    s, b, h, a = 2048, 2, 1024, 16
+    expected = s * b * h * (10 + 24 // tp) + 5 * a * s * s * b // tp + 16 * s * b
+    assert layer_activation_bytes(m, tp) == expected
+
+
+def test_attention_variants_and_fp32():
+    base = dict(num_layers=1, hidden=256, heads=8, seq_length=512, micro_batch_size=1)
+    s, b, h, a = 512, 1, 256, 8
+    flash = layer_activation_bytes(ModelSpec(**base, flash_attention=True), 2)
+    unfused = layer_activation_bytes(ModelSpec(**base), 2)
+    # megatron's fp32 softmax output (4 B) plus the bf16 probabilities the matmul keeps (2 B),
+    # instead of flash attention's fp32 log-sum-exp per row.
+    assert unfused - flash == 6 * a * s * s * b // 2 - 4 * a * s * b // 2
+    # fp32: every activation 4 bytes; the softmax output doubles as the matmul input.
+    fp32 = layer_activation_bytes(ModelSpec(**base, bf16=False), 1)
+    assert fp32 == 4 * (8 * s * b * h + 2 * s * b * 4 * h + a * s * s * b) + 16 * s * b
+
+
+def test_stage_activations_follow_1f1b():
+    m = ModelSpec(num_layers=8, hidden=64, heads=4, vocab=100, seq_length=32, micro_batch_size=1,
+                  flash_attention=True)
+    c = ClusterSpec(nodes=1, gpus_per_node=8, tp=2, pp=4)
+    layer = layer_activation_bytes(m, 2)
+    s, b, h = 32, 1, 64
+    # Stage 0: 4 micro-batches in flight, 2 layers each, plus the embeddings' int64 ids.
+    assert stage_activation_bytes(m, c, 0) == 4 * (2 * layer + 16 * s * b)
+    assert stage_activation_bytes(m, c, 1) == 3 * 2 * layer
+    # Last stage: one in flight, plus final layernorm in/out, stats, fp32 softmax of the logits
+    # over this rank's half of the vocabulary padded to 128 x 2 = 256, and the label tensors.
+    assert stage_activation_bytes(m, c, 3) == 2 * layer + 2 * s * b * h * 2 + 8 * s * b \
+        + 4 * s * b * 128 + 9 * s * b
+
+
+def test_small_model_bytes_equal_the_counted_run():
+    # Counted on 2 gloo ranks (test_planner_measured); hand check of the dynamic tier below.
+    p = plan(ModelSpec(**SMALL, bf16=False), TWO_RANKS, SMALL_GRPO, bucket_size=20000,
+             tiers="dcdsdddcs")
+    assert (p.baseline_grad_bytes, p.baseline_param_bytes) == (608768, 608768)
+    assert p.units == [36864, 37248, 37248, 28288, 46592, 37248, 28288, 15744, 36864]
+    assert (p.grpo_traffic.core, p.grpo_traffic.dynamic, p.grpo_traffic.stable_update) == \
+        (211968, 96040, 260608)
+    # int4 payload of a shard of N: 4 ceil(N/256) + round4(ceil(N/2)); sent twice (gradient
+    # all_to_all, parameter-delta all-gather), (dp-1) = 1 copy each.
+    shards = [36864 // 2, 37248 // 2, 46592 // 2, 37248 // 2, 28288 // 2]
+    payloads = [4 * -(-n // 256) + (-(-n // 2) + 3) // 4 * 4 for n in shards]
+    assert 2 * sum(payloads) == 96040
+    assert p.grpo_memory.error_feedback == 4 * (36864 + 37248 + 46592 + 37248 + 28288)
+    bf16 = plan(ModelSpec(**SMALL, bf16=True), TWO_RANKS, SMALL_GRPO, bucket_size=20000,
+                tiers=list("dcdsdddcs"))
+    assert (bf16.grpo_traffic.core, bf16.grpo_traffic.stable_update, bf16.grpo_warmup_bytes) == \
+        (158976, 195456, 913152)
+    assert bf16.baseline_param_bytes == 608768 // 2
+
+
+def test_memory_components():
+    fp32 = plan(ModelSpec(**SMALL, bf16=False), TWO_RANKS, SMALL_GRPO, bucket_size=20000)
+    unpadded = sum(stage_param_numels(fp32.model, TWO_RANKS, 0))
+    b, g = fp32.baseline_memory, fp32.grpo_memory
+    assert (b.params, b.grads) == (1217536, 1217536)  # 304384 padded elements x 4 bytes
+    assert b.master_params == 0 and g.master_params == 4 * unpadded // 2  # GRPO: own storage
+    assert b.optimizer_moments == 8 * unpadded // 2
+    assert g.error_feedback == round(0.65 * 4 * sum(fp32.units)) and b.error_feedback == 0
+    assert b.offloaded == g.offloaded == 0
+    bf16 = plan(ModelSpec(**SMALL), TWO_RANKS, SMALL_GRPO, bucket_size=20000)
+    assert bf16.baseline_memory.params == 2 * 304384
+    assert bf16.baseline_memory.master_params == 4 * unpadded // 2
+    delayed = GRPOConfig(enabled=True, bucket_mb=0.04, stable_mode="delayed")
+    d = plan(ModelSpec(**SMALL), TWO_RANKS, delayed, bucket_size=20000).grpo_memory
+    assert d.delayed_accumulators == round(0.2 * 4 * sum(bf16.units))
+    one = plan(ModelSpec(**SMALL), ClusterSpec(nodes=1, gpus_per_node=1), delayed)
+    assert one.grpo_memory.error_feedback == 0 and one.baseline_bytes == 0 and one.grpo_bytes == 0
+
+
+def test_pipeline_stages_after_the_first_use_one_baseline_bucket():
+    m = ModelSpec(num_layers=4, hidden=96, heads=4, vocab=258, seq_length=64, bf16=False)
+    c = ClusterSpec(nodes=1, gpus_per_node=4, pp=2)
+    first = plan(m, c, SMALL_GRPO, bucket_size=20000, stage=0)
+    last = plan(m, c, SMALL_GRPO, bucket_size=20000, stage=1)
+    assert len(first.baseline_buckets) > 1
+    assert last.baseline_buckets == ddp_bucket_numels(stage_param_numels(m, c, 1), None, 2)
+    assert len(last.units) > 1  # GRPO keeps its units on every stage
+    auto = plan(m, c, SMALL_GRPO, bucket_size=20000)
+    assert auto.memory_stage == 0  # two micro-batches in flight
+    assert auto.baseline_bytes == max(first.baseline_bytes, last.baseline_bytes)
+
+
+def test_quota_ratio_and_wire_time_at_scale():
+    m = ModelSpec(num_layers=32, hidden=4096, heads=32, ffn_hidden=14336, flash_attention=True)
+    c = ClusterSpec(nodes=2, gpus_per_node=8, tp=2)
+    p = plan(m, c, GRPOConfig(enabled=True, stable_interval=20))
+    # bf16 exact sync: 4 + 2 bytes per element; int4: 2 x (4/256 + 1/2) bytes per element.
+    expected = 0.15 + 0.65 * 2 * (4 / 256 + 0.5) / 6 + 0.20 / 20
+    assert p.ratio == pytest.approx(expected, abs=2e-3)
+    assert c.dp == 8 and c.dp_spans_nodes and c.dp_link_gbps == 400
+    assert p.baseline_wire_s == pytest.approx(p.baseline_bytes * 8 / 400e9)
+    assert p.grpo_traffic.per_step == pytest.approx(p.grpo_bytes)
+    # One node: the DP ring runs over NVLink. TP=1, PP=2 on 2 nodes: each stage's DP group is
+    # one node (pipeline is the outermost rank dimension).
+    assert ClusterSpec(nodes=1, tp=2).dp_link_gbps == 3600
+    assert not ClusterSpec(nodes=2, tp=1, pp=2).dp_spans_nodes
+    # TP 2 x PP 2 x DP 3: with 6 GPUs per node each stage's 6 ranks fill one node...
+    assert not ClusterSpec(nodes=2, gpus_per_node=6, tp=2, pp=2).dp_spans_nodes
+    # ...with 4 GPUs per node stage 0 (ranks 0-5; TP rank 0's DP group 0, 2, 4) straddles two.
+    assert ClusterSpec(nodes=3, gpus_per_node=4, tp=2, pp=2).dp_spans_nodes
+
+
+def test_errors_name_the_field():
+    g = GRPOConfig()
+    cases = [
+        (ModelSpec(num_layers=0, hidden=64, heads=4), TWO_RANKS, {}, "ModelSpec.num_layers"),
+        (ModelSpec(num_layers=2, hidden=100, heads=3), TWO_RANKS, {}, "ModelSpec.hidden"),
+        (ModelSpec(num_layers=2, hidden=64, heads=4, max_position=8, seq_length=16), TWO_RANKS, {},
+         "ModelSpec.max_position"),
+        (ModelSpec(num_layers=3, hidden=64, heads=4), ClusterSpec(nodes=1, gpus_per_node=2, pp=2), {},
+         "ClusterSpec.pp"),
+        (ModelSpec(num_layers=2, hidden=64, heads=4), ClusterSpec(nodes=1, gpus_per_node=8, tp=3), {},
+         "tp x pp"),
+        (ModelSpec(num_layers=2, hidden=64, heads=4), ClusterSpec(link_gbps=0), {}, "ClusterSpec.link_gbps"),
+        (ModelSpec(**SMALL), TWO_RANKS, dict(bucket_size=0), "bucket_size"),
+        (ModelSpec(**SMALL), TWO_RANKS, dict(stage=1), "stage"),
+        (ModelSpec(**SMALL), TWO_RANKS, dict(tiers="cd"), "tiers"),
+        (ModelSpec(**SMALL), TWO_RANKS, dict(tiers=["core", "warm"]), "tiers"),
+        (ModelSpec(num_layers=4, hidden=64, heads=4), ClusterSpec(nodes=1, gpus_per_node=4, pp=2),
+         dict(tiers="c"), "stage"),
+    ]
+    for model, cluster, kwargs, needle in cases:
+        with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
+            plan(model, cluster, g, **kwargs)
+
+
+def test_formatting():
+    p = plan(ModelSpec(num_layers=32, hidden=4096, heads=32, ffn_hidden=14336), ClusterSpec(nodes=2, tp=2),
+             GRPOConfig(stable_interval=20))
+    text = format_plan(p, "8b")
+    assert "fits in 80 GB" in text and f"ratio {p.ratio:.3f}" in text and "GB (pipeline stage 0)" in text
+    small = format_plan(plan(ModelSpec(**SMALL), TWO_RANKS, SMALL_GRPO, bucket_size=20000))
+    assert "MB (pipeline stage 0)" in small  # small models are not printed as 0.00 GB
+    table = format_table([p, p], ["a", "b"]).splitlines()
+    assert len(table) == 2 + 2 + 1 + 2 + 2 and table[2].startswith("| a | 16 (2 x 8) | 2 x 1 x 8 |")
+    with pytest.raises(ValueError, match="names"):
+        format_table([p], ["a", "b"])
+
+
+def test_docs_carry_the_cli_table(capsys):
+    cli = _load_cli()
+    assert cli.main(["--all-presets"]) == 0
+    table = capsys.readouterr().out.strip()
+    assert len(table.splitlines()) == 2 + 4 + 1 + 2 + 4
+    with open(os.path.join(REPO, "docs", "planner.md")) as fh:
+        assert table in fh.read(), "docs/planner.md is stale: paste `python launch/plan.py --all-presets`"
+    # Bad world size: the training parser's own message, exit code 2.
+    assert cli.main(["--config", os.path.join(REPO, "launch/configs/gpt_70b.yaml"), "--nodes", "3"]) == 2
+    assert "--tensor-model-parallel-size" in capsys.readouterr().err
