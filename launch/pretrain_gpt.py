@@ -2,19 +2,71 @@
 
 One process (CPU):
     python launch/pretrain_gpt.py --config launch/configs/tiny.yaml --data-path data/stdlib
-One node, 2 ranks (CPU/gloo here, CUDA/NCCL on a GPU node):
+One node, 2 ranks (CPU/gloo here, CUDA/NCCL on a GPU node): launch/run_local.sh, or
     torchrun --nproc_per_node 2 launch/pretrain_gpt.py --config launch/configs/tiny.yaml \
         --data-path data/stdlib --metrics-file runs/tiny.jsonl
-Two nodes: see launch/slurm/ (one srun task per node, torchrun c10d rendezvous).
+Several nodes: sbatch launch/slurm/pretrain_gpt_grpo.sbatch (docs/launch.md).
 
 Flags follow Megatron-LM names (--num-layers, --micro-batch-size, ...); --config FILE.yaml
 sets any of them and explicit flags override the file. --help lists them all.
+MEGATRON_GRPO_RANK_LOG=1 (set by the launch scripts) makes every rank print a progress line,
+and with --grpo its tier map whenever it changes: metrics are written by one rank only, so
+these lines are what shows that every node trained and agreed.
 """
 
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _rank_log_hooks(cfg, who: str):
+    """The run's hooks (baseline or GRPO, as run() would pick), with per-rank log lines added."""
+    from megatron_grpo.training.loop import default_hooks
+
+    hooks = default_hooks(cfg)
+    inner, interval, last_map = hooks.step_metrics, cfg.logging.log_interval, [None]
+
+    def say(text):  # one write per line: ranks sharing a terminal or job file do not interleave
+        sys.stdout.write(f"[{who}] {text}\n")
+        sys.stdout.flush()
+
+    def step_metrics(iteration, wire, step_time):
+        out = inner(iteration, wire, step_time)
+        tier_map = out.get("grpo_tier_map")
+        if tier_map is not None and tier_map != last_map[0]:
+            # First line after start or resume too: it shows the map a checkpoint restored.
+            say(f"iteration {iteration} tier map {tier_map}")
+            last_map[0] = tier_map
+        if iteration % interval == 0 or iteration == cfg.training.train_iters:
+            say(f"iteration {iteration}/{cfg.training.train_iters} step {step_time:.3f} s "
+                f"sent {wire['total']} B")
+        return out
+
+    hooks.step_metrics = step_metrics
+    return hooks
+
+
+def _peer_failure(exc: BaseException):
+    """A one-line description when ``exc`` is torch.distributed losing a peer, else None."""
+    import torch.distributed as dist
+
+    text = str(exc)
+    if not (isinstance(exc, getattr(dist, "DistError", ())) or "gloo" in text or "NCCL" in text):
+        return None
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    peer = re.search(r"\[(\d+\.\d+\.\d+\.\d+)\]:\d+", text)  # gloo names the peer's address
+    where = ""
+    if peer:
+        import socket
+
+        try:
+            where = f" (peer {peer.group(1)} = {socket.gethostbyaddr(peer.group(1))[0]})"
+        except OSError:
+            where = f" (peer {peer.group(1)})"
+    return (f"peer failure{where}: another rank died or stopped responding; its own log names "
+            f"the cause, this rank only saw: {first[:300]}")
 
 
 def main(argv=None) -> int:
@@ -32,10 +84,17 @@ def main(argv=None) -> int:
     from megatron_grpo.training.loop import run, shutdown
 
     try:
-        run(cfg)
+        per_rank_log = os.environ.get("MEGATRON_GRPO_RANK_LOG") == "1"
+        run(cfg, _rank_log_hooks(cfg, f"rank {rank}") if per_rank_log else None)
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as exc:
         print(f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
         return 2
+    except RuntimeError as exc:  # DistBackendError and gloo's errors are RuntimeErrors
+        message = _peer_failure(exc)
+        if message is None:
+            raise  # a bug, not a lost peer: keep the traceback
+        print(f"error (rank {rank}): {message}", file=sys.stderr, flush=True)
+        return 3
     shutdown()
     return 0
 

@@ -77,12 +77,17 @@ def _median(xs: List[float]) -> Optional[float]:
     return s[len(s) // 2]
 
 
-def run(cfg: PretrainConfig, hooks: Optional[RunHooks] = None) -> RunSummary:
-    if hooks is None and cfg.grpo.enabled:
+def default_hooks(cfg: PretrainConfig) -> RunHooks:
+    """The baseline's (empty) hooks, or GRPO's with --grpo."""
+    if cfg.grpo.enabled:
         from megatron_grpo.megatron import grpo_hooks
 
-        hooks = grpo_hooks(cfg)
-    hooks = hooks or RunHooks()
+        return grpo_hooks(cfg)
+    return RunHooks()
+
+
+def run(cfg: PretrainConfig, hooks: Optional[RunHooks] = None) -> RunSummary:
+    hooks = hooks or default_hooks(cfg)
     t, lg = cfg.training, cfg.logging
     platform = select_platform(force_cpu=t.cpu, local_rank=int(os.environ.get("LOCAL_RANK", 0)))
     # Import megatron's buffer module before installing the counter so its import-time
@@ -112,8 +117,17 @@ def run(cfg: PretrainConfig, hooks: Optional[RunHooks] = None) -> RunSummary:
     hooks.after_build(built)
 
     start_iter, consumed = 0, 0
-    if cfg.checkpoint.load:
-        common, rank_extra = checkpointing.load_checkpoint(cfg.checkpoint.load, built)
+    load = cfg.checkpoint.load
+    if load and cfg.checkpoint.save and os.path.abspath(load) == os.path.abspath(cfg.checkpoint.save) \
+            and not os.path.isfile(os.path.join(load, checkpointing.TRACKER)):
+        # `--save D --load D` is the auto-resume idiom of requeued jobs: the first job starts fresh.
+        # A --load that names another directory without a checkpoint stays an error (a typo).
+        if dist.get_rank() == 0:
+            print(f"[{lg.run_name}] --load {load}: no checkpoint yet (same directory as --save); "
+                  f"starting from scratch", flush=True)
+        load = None
+    if load:
+        common, rank_extra = checkpointing.load_checkpoint(load, built)
         start_iter = int(common["iteration"])
         consumed = int(common["consumed_samples"])
         built.scheduler.load_state_dict(common["scheduler"])

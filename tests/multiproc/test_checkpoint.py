@@ -71,7 +71,13 @@ def test_corrupted_checkpoint_is_refused_by_name(runs, tmp_path):
 def test_missing_tracker_and_incomplete_save(runs, tmp_path):
     proc = run_training(1, [*runs["base"], "--load", str(tmp_path / "nothing")], check=False)
     assert proc.returncode != 0  # the rank exits 2; torchrun reports the failed child as 1
-    assert "no latest_checkpointed_iteration.txt" in proc.stderr and "(rank 0)" in proc.stderr
+    assert "no latest_checkpointed_iteration.txt" in proc.stderr and "(rank 0" in proc.stderr
+    # The same directory for --save and --load is the requeue idiom: the first job starts fresh.
+    fresh = tmp_path / "fresh"
+    proc = run_training(1, [*runs["base"], "--train-iters", "2", "--save", str(fresh),
+                            "--load", str(fresh)])
+    assert "no checkpoint yet (same directory as --save); starting from scratch" in proc.stdout
+    assert (fresh / "latest_checkpointed_iteration.txt").read_text() == "2"
     # A save that died half-way leaves iter_N.tmp without a manifest and never moves the tracker;
     # the next --load uses the last complete checkpoint.
     ckpt = tmp_path / "ck"
