@@ -82,7 +82,7 @@ def build_cache(cache_dir: str, world_size: int, argv: List[str]) -> None:
     cfg = _parse(world_size, argv)
     import torch.distributed as dist
 
-    from megatron_grpo.data import build_gpt_datasets, parse_data_prefix, read_meta, tokenizer_from_meta
+    from megatron_grpo.training.loop import build_run_datasets
 
     os.makedirs(cache_dir, exist_ok=True)
     # megatron's BlendedDataset calls torch.distributed.get_rank() unguarded, so a blend needs a
@@ -90,15 +90,8 @@ def build_cache(cache_dir: str, world_size: int, argv: List[str]) -> None:
     store = os.path.join(cache_dir, f".build-store.{os.getpid()}")
     dist.init_process_group("gloo", store=dist.FileStore(store, 1), rank=0, world_size=1)
     try:
-        t, lg = cfg.training, cfg.logging
-        meta = read_meta(parse_data_prefix(cfg.data.data_path)[0][0])
-        # Must match megatron_grpo/training/loop.py run(): the cache files are named by a hash
-        # of these sizes, and a mismatch means a cache miss on a rank that cannot build.
-        build_gpt_datasets(
-            data_prefix=cfg.data.data_path, split=cfg.data.split, seq_length=cfg.model.seq_length,
-            seed=t.seed, train_samples=max(t.train_iters, 1) * t.global_batch_size,
-            valid_samples=max(lg.eval_iters, 1) * t.global_batch_size, cache_dir=cache_dir,
-            tokenizer=tokenizer_from_meta(meta))
+        # The same call as a run: the cache files are named by a hash of the requested sizes.
+        build_run_datasets(cfg, cache_dir=cache_dir)
     except (FileNotFoundError, ValueError) as exc:
         print(f"error (data cache on {os.uname().nodename}): {exc}", file=sys.stderr)
         sys.exit(2)

@@ -77,6 +77,21 @@ def _median(xs: List[float]) -> Optional[float]:
     return s[len(s) // 2]
 
 
+def build_run_datasets(cfg: PretrainConfig, cache_dir: Optional[str] = None):
+    """(tokenizer, train, valid) exactly as a run builds them. megatron names its index cache by
+    the requested sizes, so anything pre-building caches (launch/slurm/job_setup.py) calls this."""
+    from megatron_grpo.data import build_gpt_datasets, parse_data_prefix, read_meta, tokenizer_from_meta
+
+    t, lg = cfg.training, cfg.logging
+    tokenizer = tokenizer_from_meta(read_meta(parse_data_prefix(cfg.data.data_path)[0][0]))
+    train, valid = build_gpt_datasets(
+        data_prefix=cfg.data.data_path, split=cfg.data.split, seq_length=cfg.model.seq_length,
+        seed=t.seed, train_samples=max(t.train_iters, 1) * t.global_batch_size,
+        valid_samples=max(lg.eval_iters, 1) * t.global_batch_size,
+        cache_dir=cache_dir or cfg.data.data_cache_dir, tokenizer=tokenizer)
+    return tokenizer, train, valid
+
+
 def default_hooks(cfg: PretrainConfig) -> RunHooks:
     """The baseline's (empty) hooks, or GRPO's with --grpo."""
     if cfg.grpo.enabled:
@@ -99,18 +114,12 @@ def run(cfg: PretrainConfig, hooks: Optional[RunHooks] = None) -> RunSummary:
     init_distributed(platform, timeout_s=int(cfg.parallel.distributed_timeout_minutes * 60))
     model_parallel_init(cfg)
 
-    from megatron_grpo.data import (MicroBatchIterator, build_gpt_datasets, parse_data_prefix,
-                                    read_meta, tokenizer_from_meta)
+    from megatron_grpo.data import MicroBatchIterator
 
-    meta = read_meta(parse_data_prefix(cfg.data.data_path)[0][0])
-    tokenizer = tokenizer_from_meta(meta)
+    tokenizer, train_ds, valid_ds = build_run_datasets(cfg)
     dp_rank, dp_size = data_parallel_info()
     mbs, gbs, seq = t.micro_batch_size, t.global_batch_size, cfg.model.seq_length
     num_mb, _ = microbatch_layout(gbs, mbs, dp_size)
-    train_ds, valid_ds = build_gpt_datasets(
-        data_prefix=cfg.data.data_path, split=cfg.data.split, seq_length=seq, seed=t.seed,
-        train_samples=max(t.train_iters, 1) * gbs, valid_samples=max(lg.eval_iters, 1) * gbs,
-        cache_dir=cfg.data.data_cache_dir, tokenizer=tokenizer)
 
     built = build_model(cfg, platform, tokenizer.vocab_size, hooks.optimizer_factory,
                         ddp_class=hooks.ddp_class, bucket_size=hooks.bucket_size)
