@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -78,7 +78,3 @@ def compressed_param_gather(param_flat: torch.Tensor, staged_master: torch.Tenso
         update = compressor.decompress(gathered[r * size:(r + 1) * size], shard_len)
         view.add_(update.to(view.dtype))
 
-
-def shard_views(flat: torch.Tensor, dp: int) -> List[torch.Tensor]:
-    n = flat.numel() // dp
-    return [flat[r * n:(r + 1) * n] for r in range(dp)]

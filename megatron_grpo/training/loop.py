@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Callable, List, Optional
 
-import torch
 import torch.distributed as dist
 
 from megatron_grpo.comm.wire import wire_counter
@@ -67,7 +66,6 @@ class RunSummary:
     median_step_time_s: Optional[float] = None
     peak_rss_bytes: Optional[int] = None
     num_params: int = 0
-    records: List[Dict] = field(default_factory=list)
 
 
 def _median(xs: List[float]) -> Optional[float]:
@@ -164,6 +162,7 @@ def run(cfg: PretrainConfig, hooks: Optional[RunHooks] = None) -> RunSummary:
             "consumed_samples": 0, "scheduler": built.scheduler.state_dict(),
             "extensions": hooks.checkpoint_state()}, hooks.rank_state())
     step_times: List[float] = []
+    logged, wire_after_first = 0, 0
     counter.reset()
     iteration = start_iter
     while iteration < t.train_iters:
@@ -216,17 +215,21 @@ def run(cfg: PretrainConfig, hooks: Optional[RunHooks] = None) -> RunSummary:
             counter.reset()
         if writer:
             logger.log(record)
-            summary.records.append(record)
+            # Running figures only: a long run must not keep every record in memory.
+            if summary.first_loss is None:
+                summary.first_loss = record["loss"]
+            else:
+                wire_after_first += record["wire_bytes"]
+            summary.last_loss = record["loss"]
+            logged += 1
         if t.exit_after_iter is not None and iteration >= t.exit_after_iter:
             break
     logger.close()
-    if writer and summary.records:
-        recs = summary.records
-        summary.first_loss, summary.last_loss = recs[0]["loss"], recs[-1]["loss"]
+    if writer and logged:
         summary.median_step_time_s = _median(step_times[1:] or step_times)
         summary.tokens_per_s = gbs * seq / summary.median_step_time_s
-        warm = recs[1:] or recs
-        summary.wire_bytes_per_step = sum(r["wire_bytes"] for r in warm) / len(warm)
+        if logged > 1:
+            summary.wire_bytes_per_step = wire_after_first / (logged - 1)
         summary.peak_rss_bytes = peak_rss_bytes()
     return summary
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -200,10 +200,6 @@ def model_parallel_init(cfg: PretrainConfig) -> None:
     # replicated weights are equal on every TP rank and TP-split ones come from one full tensor.
     torch.manual_seed(cfg.training.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.training.seed)
-
-
-def local_params(built: BuiltModel) -> List[torch.nn.Parameter]:
-    return [p for chunk in built.ddp_model for p in chunk.module.parameters()]
 
 
 def optimizer_list(optimizer) -> list:

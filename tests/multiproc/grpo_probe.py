@@ -15,6 +15,8 @@ import json
 import os
 import sys
 
+import torch
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
@@ -22,12 +24,11 @@ sys.path.insert(0, REPO)
 def digest(tensors) -> str:
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t.detach().contiguous().view(-1).view(dtype=__import__("torch").uint8).numpy().tobytes())
+        h.update(t.detach().contiguous().view(-1).view(dtype=torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
 
 
 def main():
-    import torch
     import torch.distributed as dist
 
     from megatron_grpo.megatron import grpo_hooks, grpo_optimizers
