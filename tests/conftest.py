@@ -1,9 +1,23 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures, and the environment every test runs in.
 
-import socket
+The suite sets what it needs here, so `python -m pytest tests` behaves the same whether it is
+started by hand, by the README's command or by CI: one intra-op thread (results compared bit
+for bit must not depend on how many cores the machine has) and no Python warnings noise from
+subprocesses (tests/harness.py passes the same settings to every torchrun it starts).
+"""
 
-import pytest
-import torch.distributed as dist
+import os
+
+os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported: it reads this once
+os.environ.setdefault("PYTHONWARNINGS", "ignore")
+
+import socket  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+torch.set_num_threads(1)
 
 
 def _free_port() -> int:

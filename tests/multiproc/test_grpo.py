@@ -98,8 +98,15 @@ def test_bf16_copies_identical_and_bytes_analytic(stdlib_data, tmp_path):
 
 
 def test_all_core_is_bit_identical_to_baseline(stdlib_data, tmp_path):
+    # Like with like: GRPO sizes DDP buckets from --grpo-bucket-mb, so the baseline gets the same
+    # bucket size. With other buckets the two runs sum gradient norms in another order, and the
+    # comparison would test the machine's rounding instead of GRPO (it failed elsewhere at 1e-7).
+    from megatron_grpo.training.arguments import parse_args
+
     common = [*SMALL_MODEL, "--data-path", stdlib_data, "--train-iters", "10", "--eval-interval", "10"]
-    base = train_and_read(tmp_path, "base", 2, common)
+    grpo_buckets = parse_args([*common, *GRPO_SMALL], world_size=2).grpo.bucket_elements
+    assert grpo_buckets != 20000  # the SMALL_MODEL baseline size: the layouts would differ
+    base = train_and_read(tmp_path, "base", 2, [*common, "--ddp-bucket-size", str(grpo_buckets)])
     core = train_and_read(tmp_path, "core", 2, [*common, *GRPO_SMALL, "--grpo-core-share", "1",
                                                 "--grpo-dynamic-share", "0", "--grpo-stable-share", "0"])
     assert set(core[-1]["grpo_tier_map"]) == {"c"}
