@@ -59,15 +59,21 @@ class GRPOConfig:
     stable_mode: str = "frozen"
     """frozen: no weight-gradient compute between updates; delayed: gradients accumulate locally."""
     gvr_interval: int = 10
-    """Measure GVR (gradient variance ratio) every this many iterations."""
+    """Measure the dynamic tier's compression health (GVR, relative error, cosine) every this
+    many iterations."""
     gvr_min: float = 0.7
-    """Lower end of the healthy GVR range."""
+    """Lower end of the GVR range reported as healthy (grpo_gvr_in_range; reported, no action)."""
     gvr_max: float = 1.2
-    """Upper end of the healthy GVR range."""
+    """Upper end of the GVR range reported as healthy (grpo_gvr_in_range; reported, no action)."""
+    max_compression_error: float = 0.98
+    """Remediation limit on the dynamic tier's relative compression error ||D(q) - c|| / ||c||
+    (c = gradient + error-feedback residual). Error feedback needs it below 1 to converge;
+    healthy compressors read int4 ~0.1, int8 ~0.01, top-k keeping 5 percent ~0.8."""
     gvr_window: int = 3
-    """Consecutive out-of-range GVR checks that trigger remediation."""
+    """Consecutive monitoring checks above --grpo-max-compression-error that trigger remediation."""
     remediation_promote: float = 0.25
-    """Share of dynamic buckets (the worst by GVR contribution) promoted to core on remediation."""
+    """Share of dynamic buckets (the worst by relative compression error) promoted to core on
+    remediation."""
     max_dynamic_share: float = 0.70
     """Guard: the dynamic tier never holds more than this share of parameters."""
 
@@ -107,6 +113,8 @@ class GRPOConfig:
         if not 0.0 < self.gvr_min < self.gvr_max:
             raise GRPOConfigError(f"--grpo-gvr-min and --grpo-gvr-max must satisfy 0 < min < max, "
                                   f"got {self.gvr_min} and {self.gvr_max}")
+        if not self.max_compression_error > 0.0:
+            fail("max_compression_error", "a positive number", self.max_compression_error)
         if not 0.0 < self.remediation_promote <= 1.0:
             fail("remediation_promote", "in (0, 1]", self.remediation_promote)
         if not 0.0 <= self.max_dynamic_share <= 1.0:

@@ -4,8 +4,11 @@ Data flows one way: gradients -> importance -> tiers -> per-tier policy -> optim
 controller owns the tier of every tier unit (one megatron DDP bucket group), the importance EMA,
 the error-feedback residuals, the stable tier's schedule and the monitors; the megatron glue
 (``megatron_grpo.megatron``) asks it what to do and reports back. Everything here is decided
-identically on every data-parallel rank: the only inputs are the iteration number and values
-all-reduced over the data-parallel group.
+identically on every rank of the job: the only inputs are the iteration number and values
+summed over all ranks (one plan for the whole model replica, megatron_grpo.replica), so every
+rank that holds a copy of a parameter (data-parallel replicas, tensor-parallel copies of
+replicated parameters, the tied embedding on two pipeline stages) gives it the same tier.
+Every tensor handed to a collective is created on ``device`` (NCCL serves CUDA tensors only).
 
 Schedule of iteration k (1-based):
 * k <= warmup_iters: every unit is core (megatron's exact collectives); importance is measured.
@@ -16,22 +19,30 @@ Schedule of iteration k (1-based):
 * stable units are updated (wgrad, exact sync, optimizer step) when k % stable_interval == 0;
   otherwise they are frozen (no wgrad, no communication, no optimizer work) or, in ``delayed``
   mode, their gradients accumulate locally.
+* a step the optimizer skips (a non-finite gradient on any rank, ``note_nonfinite``) changes
+  no GRPO state: error-feedback residuals, carries, delayed accumulators and importance are
+  only updated by ``end_step`` of an applied step.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.comm.compress import ErrorFeedback, build_compressor
+from megatron_grpo.comm.compress import build_compressor
+from megatron_grpo.comm.error_feedback import ErrorFeedback
+from megatron_grpo.comm.replicated import ReplicatedElements
 from megatron_grpo.comm.wire import wire_counter
 from megatron_grpo.config import GRPOConfig
+from megatron_grpo.health import HealthSums, health_figures
 from megatron_grpo.importance import ImportanceTracker
+from megatron_grpo.replica import ReplicaLayout
 from megatron_grpo.tiers import GVRMonitor, TierPlan, TierPlanner, describe_moves
+from megatron_grpo.timing import IntervalTimer
 
 
 @dataclass
@@ -46,6 +57,8 @@ class TierUnit:
     """Padded gradient elements of the group's buckets."""
     name: str
     """Human-readable span of parameter names, for re-tier logs."""
+    pinned: Optional[str] = None
+    """Tier this unit must keep (see GRPOController), or None."""
 
 
 @dataclass
@@ -55,15 +68,7 @@ class StepPlan:
     k: int = 0
     stable_update: bool = True
     measure_importance: bool = False
-    measure_gvr: bool = False
-
-
-@dataclass
-class StepStats:
-    importance_time_s: float = 0.0
-    wait_time_s: float = 0.0
-    gvr_sums: List[float] = field(default_factory=lambda: [0.0] * 5)
-    unit_errors: Dict[int, float] = field(default_factory=dict)
+    measure_health: bool = False
 
 
 def _unit_name(names: List[str]) -> str:
@@ -73,30 +78,88 @@ def _unit_name(names: List[str]) -> str:
     return common if len(names) == 1 else f"{common} (+{len(names) - 1} more)"
 
 
+def _pipeline_position():
+    """(stage, stages, tensor-parallel size) from megatron's parallel_state, (0, 1, 1) without it."""
+    try:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            return (ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size(),
+                    ps.get_tensor_model_parallel_world_size())
+    except ImportError:  # pragma: no cover - megatron-core is a dependency
+        pass
+    return 0, 1, 1
+
+
 class GRPOController:
+    """GRPO state for one model replica chunk list; see the module docstring.
+
+    ``plan_group`` is the group of every rank that must agree on the tier plan: all ranks of
+    the job by default (data-parallel replicas, tensor-parallel ranks and pipeline stages all
+    hold copies of some parameter; see megatron_grpo.replica).
+    """
+
     def __init__(self, config: GRPOConfig, ddp_chunks: list, device: torch.device,
-                 dp_group) -> None:
+                 dp_group, plan_group=None) -> None:
         self.config = config
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group)
-        self.device = device
+        self.device = torch.device(device)
         self.counter = wire_counter()
+        # Under strict mode the counter checks every tensor GRPO hands to these groups.
+        bind = getattr(self.counter, "bind_group_device", lambda group, device: None)  # TEMP
+        bind(dp_group, self.device)
+        bind(plan_group, self.device)
         self.units: List[TierUnit] = []
         self.unit_of_bucket: Dict[int, int] = {}
+        stage, stages, tp_size = _pipeline_position()
         for chunk in ddp_chunks:
+            if getattr(chunk, "expert_parallel_bucket_groups", None):
+                raise ValueError("GRPO does not tier expert-parallel parameters yet: their bucket "
+                                 "layout differs between expert-parallel ranks; run without MoE")
             names = {p: n for n, p in chunk.module.named_parameters()}
-            for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
+            for group in chunk.bucket_groups:
                 params = [p for b in group.buckets for p in b.params_list]
                 unit = TierUnit(len(self.units), group, params,
                                 sum(b.grad_data.numel() for b in group.buckets),
                                 _unit_name([names.get(p, "?") for p in params]))
+                # The tied word embedding has a copy on the first and on the last pipeline stage
+                # (megatron all-reduces its gradient between them after the data-parallel sync):
+                # planned per stage, the two copies could get different tiers and drift apart.
+                if stages > 1 and any(getattr(p, "shared_embedding", False) or getattr(p, "shared", False)
+                                      for p in params):
+                    unit.pinned = "core"
                 for b in group.buckets:
                     self.unit_of_bucket[id(b)] = unit.index
                 self.units.append(unit)
         n = len(self.units)
+        self.layout = ReplicaLayout(n, stage, stages, self.device, plan_group)
+        if self.layout.num_global < 2:
+            raise ValueError(
+                f"GRPO found {self.layout.num_global} tier unit in the whole model: the tiers need "
+                f"several DDP buckets. Lower --grpo-bucket-mb (now {config.bucket_mb} MB) below the "
+                f"model's gradient size, or build the DDP model with GRPODistributedDataParallel "
+                f"(plain megatron DDP keeps one bucket on later pipeline stages and without overlap)")
+        rows = torch.tensor([[u.numel, 1.0 if u.pinned else 0.0] for u in self.units],
+                            dtype=torch.float64, device=self.device).view(n, 2)
+        replica = self.layout.sum_over_replica(rows).tolist()
+        self.replica_numels = [int(round(r[0] / self.layout.copies)) for r in replica]
+        self.replica_pinned = [r[1] > 0 for r in replica]
+        self.replica_tiers: List[str] = ["core"] * self.layout.num_global
         self.tiers: List[str] = ["core"] * n
+        # Replicated (non-TP-split) parameters of compressed buckets travel exactly, so their
+        # TP copies stay bit-identical (megatron_grpo.comm.replicated).
+        self.replicated: Dict[tuple, ReplicatedElements] = {}
+        if tp_size > 1 and self.dp_size > 1:
+            rank = dist.get_rank(dp_group)
+            for unit in self.units:
+                for i, b in enumerate(unit.group.buckets):
+                    rep = ReplicatedElements.for_bucket(b, b.grad_data.numel() // self.dp_size, rank,
+                                                        b.grad_data.device)
+                    if rep is not None:
+                        self.replicated[(unit.index, i)] = rep
         self.importance = ImportanceTracker(n, [len(u.params) for u in self.units],
-                                            config.importance_decay, device)
+                                            config.importance_decay, self.device)
         self.planner = TierPlanner.from_config(config)
         self.monitor = GVRMonitor.from_config(config)
         self.compressor = build_compressor(config.compressor, config.compress_chunk, config.topk_ratio)
@@ -104,15 +167,42 @@ class GRPOController:
         # Keyed by (unit, bucket index in its group), like the error-feedback residuals.
         self.carry: Dict[tuple, torch.Tensor] = {}
         self.accum: Dict[tuple, List] = {}
-        self.staging: Dict[int, torch.Tensor] = {}
+        self.staging: Dict[tuple, torch.Tensor] = {}
+        # What this step used or held; applied by end_step only when the step was not skipped.
+        self._carry_used: set = set()
+        self._accum_used: set = set()
+        self._held: Dict[tuple, torch.Tensor] = {}
+        self._health: Optional[HealthSums] = None
+        self.step_skipped = False
+        self.skipped_steps = 0
+        cuda = self.device.type == "cuda"
+        self.side_stream = torch.cuda.Stream(device=self.device) if cuda else None
+        event = torch.cuda.Event if cuda else None
+        self.importance_timer = IntervalTimer(event)
+        self.wait_timer_ = IntervalTimer(event)
         self.step = StepPlan()
-        self.stats = StepStats()
         self.tiered = False
         self.retier_pending = False
         self.events: List[Dict] = []
         self._new_events: List[Dict] = []
-        self.last_gvr: Optional[float] = None
+        self.last_health: Optional[Dict] = None
         self.remediations = 0
+
+    # ------------------------------------------------------------------ streams and timers
+    def current_stream(self):
+        return torch.cuda.current_stream(self.device)
+
+    def stream_context(self, stream):
+        return torch.cuda.stream(stream)
+
+    def join_side_stream(self) -> None:
+        """Make the main stream wait for the side stream's work (importance, held gradients)."""
+        if self.side_stream is not None:
+            self.current_stream().wait_stream(self.side_stream)
+
+    def wait_timer(self):
+        """Times a wait for communication (RU): device time on GPU, host time on CPU."""
+        return self.wait_timer_.time()
 
     # ------------------------------------------------------------------ schedule
     def begin_step(self, iteration: int) -> None:
@@ -130,17 +220,57 @@ class GRPOController:
             k=k,
             stable_update=(k % c.stable_interval == 0) or not self.tiered,
             measure_importance=(k % c.importance_interval == 0),
-            measure_gvr=self.tiered and (k % c.gvr_interval == 0) and "dynamic" in self.tiers,
+            measure_health=self.tiered and (k % c.gvr_interval == 0) and "dynamic" in self.replica_tiers,
         )
-        self.stats = StepStats()
+        self.step_skipped = False
+        self._health = HealthSums(len(self.units), self.device) if self.step.measure_health else None
+        self.importance_timer.reset()
+        self.wait_timer_.reset()
         self._apply_freezing()
 
+    def note_nonfinite(self, found: bool) -> None:
+        """The optimizer found a non-finite gradient (agreed over all ranks): the step is skipped."""
+        self.step_skipped = bool(found)
+
     def end_step(self) -> None:
-        """Called after the optimizer step of the current iteration."""
+        """Called after the optimizer step of the current iteration: applies what the step used
+        (residuals, carries, accumulators, importance) or, if it was skipped, leaves them."""
+        self.join_side_stream()
+        self.staging.clear()
+        if self.step_skipped:
+            self.skipped_steps += 1
+            self.ef.discard()
+            self.importance.discard()
+            self._carry_used.clear()
+            self._accum_used.clear()
+            self._held.clear()
+            self._health = None
+            event = {"iteration": self.step.k, "reason": "step skipped: non-finite gradient; "
+                     "residuals, accumulators and importance left as they were", "moved": 0}
+            self.events.append(event)
+            self._new_events.append(event)
+            if dist.get_rank() == 0:
+                print(f"[grpo] iter {self.step.k}: {event['reason']}", flush=True)
+            return
+        self.ef.commit()
+        for key in self._carry_used:
+            self.carry.pop(key, None)
+        self._carry_used.clear()
+        for key in self._accum_used:
+            self.accum.pop(key, None)
+        self._accum_used.clear()
+        for key, grad in self._held.items():
+            acc = self.accum.get(key)
+            if acc is None:
+                self.accum[key] = [grad.detach().clone(), 1]
+            else:
+                acc[0].add_(grad)
+                acc[1] += 1
+        self._held.clear()
         if self.step.measure_importance:
             self.importance.commit()
-        if self.step.measure_gvr and self.dp_size >= 1:
-            self._finish_gvr()
+        if self._health is not None:
+            self._finish_health()
 
     def unit_active(self, index: int) -> bool:
         """False when the unit is stable and this is not its update step (nothing to do)."""
@@ -149,48 +279,75 @@ class GRPOController:
     def tier_of_bucket(self, bucket) -> str:
         return self.tiers[self.unit_of_bucket[id(bucket)]]
 
-    # ------------------------------------------------------------------ tiering
-    def _bucket_numels(self) -> List[int]:
-        return [u.numel for u in self.units]
+    # -- what a sync uses this step (applied by end_step) ------------------------------------
+    def use_carry(self, key: tuple) -> Optional[torch.Tensor]:
+        carry = self.carry.get(key)
+        if carry is not None:
+            self._carry_used.add(key)
+        return carry
 
-    def _agreed_scores(self) -> torch.Tensor:
-        """Average the importance EMA over data-parallel ranks so every rank plans the same."""
-        scores = self.importance.scores_tensor().clone()
-        if self.dp_size > 1:
-            with self.counter.tag("grpo_control"):
-                dist.all_reduce(scores, group=self.dp_group)
-            scores /= self.dp_size
-        self.importance.set_scores(scores)
-        return scores
+    def use_accumulator(self, key: tuple) -> Optional[List]:
+        acc = self.accum.get(key)
+        if acc is not None:
+            self._accum_used.add(key)
+        return acc
+
+    def hold(self, key: tuple, grad: torch.Tensor) -> None:
+        """A delayed stable bucket's scaled gradient, added to its accumulator at end_step."""
+        self._held[key] = grad
+
+    def held_gradients(self) -> List[torch.Tensor]:
+        """Local gradients held this step (the optimizer's non-finite check covers them)."""
+        return list(self._held.values())
+
+    # ------------------------------------------------------------------ tiering
+    def _replica_density(self) -> List[float]:
+        """Importance density of every unit of the replica, identical on every rank."""
+        scores = self.importance.bucket_scores().to(torch.float64)
+        numels = torch.tensor([u.numel for u in self.units], dtype=torch.float64, device=self.device)
+        rows = torch.stack([scores.to(self.device), numels], dim=1) if self.units else \
+            torch.zeros(0, 2, dtype=torch.float64, device=self.device)
+        with self.counter.tag("grpo_control"):
+            total = self.layout.sum_over_replica(rows).tolist()
+        return [r[0] / r[1] if r[1] > 0 else 0.0 for r in total]
 
     def _retier(self, k: int) -> None:
-        self._agreed_scores()
-        density = self.importance.bucket_density(self._bucket_numels())
-        plan = self.planner.plan(density, self._bucket_numels(),
-                                 self.tiers if self.tiered else None)
-        if not self.tiered:  # the first plan moves units out of the all-core warm-up
-            plan.moved = [(i, old, new) for i, (old, new) in enumerate(zip(self.tiers, plan.tiers))
-                          if old != new]
-        plan.reason = ("initial tiering after warm-up" if not self.tiered else "scheduled re-tier") + \
+        density = self._replica_density()
+        free = [i for i, pinned in enumerate(self.replica_pinned) if not pinned]
+        plan = self.planner.plan([density[i] for i in free], [self.replica_numels[i] for i in free],
+                                 [self.replica_tiers[i] for i in free] if self.tiered else None)
+        tiers = ["core"] * self.layout.num_global
+        for i, t in zip(free, plan.tiers):
+            tiers[i] = t
+        old = self.replica_tiers
+        moved = [(i, a, b) for i, (a, b) in enumerate(zip(old, tiers)) if a != b]
+        reason = ("initial tiering after warm-up" if not self.tiered else "scheduled re-tier") + \
             (f"; {plan.reason}" if plan.reason else "")
+        pinned = sum(self.replica_pinned)
+        if pinned:
+            reason += f"; {pinned} unit(s) with copies on several pipeline stages pinned to core"
         self.tiered = True
-        self._apply_plan(k, plan)
+        self._apply_plan(k, TierPlan(tiers=tiers, moved=moved, reason=reason))
 
     def _apply_plan(self, k: int, plan: TierPlan) -> None:
-        moved = {index for index, old, new in plan.moved}
+        """Install a plan over the replica's units; ``plan.moved`` uses replica indices."""
+        offset = self.layout.offset
+        moved_local = {i - offset for i, _, _ in plan.moved if self.layout.local.start <= i < self.layout.local.stop}
         for key in list(self.ef.keys()):
-            if key[0] in moved:
+            if key[0] in moved_local:
                 # Error feedback owes this bucket what compression held back: deliver it with
                 # the unit's next sync in its new tier (keys are (unit, bucket in group)).
                 self.carry[key] = self.ef.residual(key).clone()
                 self.ef.drop(key)
         for key in list(self.accum):
-            if key[0] in moved:  # re-tiering happens right after a stable update: empty
+            if key[0] in moved_local:  # re-tiering happens right after a stable update: empty
                 self.accum.pop(key)
-        self.tiers = list(plan.tiers)
+        self.replica_tiers = list(plan.tiers)
+        self.tiers = self.replica_tiers[self.layout.local]
+        plan.shares = self.shares()
+        names = self._replica_names()
         event = {"iteration": k, "reason": plan.reason, "moved": len(plan.moved),
-                 "shares": plan.shares,
-                 "moves": describe_moves(plan, [u.name for u in self.units])}
+                 "shares": plan.shares, "moves": describe_moves(plan, names)}
         self.events.append(event)
         self._new_events.append(event)
         if dist.get_rank() == 0:
@@ -199,6 +356,17 @@ class GRPOController:
                   flush=True)
             for line in event["moves"][:20]:
                 print(f"[grpo]   {line}", flush=True)
+
+    def _replica_names(self) -> List[str]:
+        """Names for the re-tier log: this stage's units by name, other stages' by position."""
+        names = []
+        for stage, count in enumerate(self.layout.stage_counts):
+            for i in range(count):
+                if stage == self.layout.stage:
+                    names.append(self.units[i].name)
+                else:
+                    names.append(f"stage {stage} unit {i}")
+        return names
 
     def _apply_freezing(self) -> None:
         """Frozen stable units skip weight-gradient compute: megatron's linear layers take the
@@ -214,74 +382,69 @@ class GRPOController:
     def observe_importance(self, index: int) -> None:
         if not self.step.measure_importance:
             return
-        t0 = time.perf_counter()
         unit = self.units[index]
-        self.importance.observe(index, [p.main_grad for p in unit.params],
-                                [p.detach() for p in unit.params])
-        self.stats.importance_time_s += time.perf_counter() - t0
+        with self.importance_timer.time():
+            self.importance.observe(index, [p.main_grad for p in unit.params],
+                                    [p.detach() for p in unit.params])
 
-    def gvr_stats(self, index: int):
-        """A callback for the dynamic reduce-scatter on GVR steps: (applied, exact) local grads."""
-        if not self.step.measure_gvr:
+    def health_stats(self, index: int):
+        """A callback for the dynamic reduce-scatter on monitoring steps: (applied, owed)."""
+        if self._health is None:
             return None
+        return lambda applied, owed: self._health.add(index, applied, owed)
 
-        def record(applied: torch.Tensor, exact: torch.Tensor) -> None:
-            a, e = applied.double(), exact.double()
-            sums = self.stats.gvr_sums
-            for i, v in enumerate((a.sum(), (a * a).sum(), e.sum(), (e * e).sum())):
-                sums[i] += float(v)
-            sums[4] += a.numel()
-            self.stats.unit_errors[index] = float((a - e).norm() / e.norm().clamp(min=1e-30))
-        return record
-
-    def _finish_gvr(self) -> None:
-        """GVR of the dynamic tier: Var(applied) / Var(exact), over all dynamic elements of all
-        data-parallel ranks (local contributions, before the sum); then remediation."""
-        n = len(self.units)
-        vec = torch.zeros(5 + n, dtype=torch.float64)
-        vec[:5] = torch.tensor(self.stats.gvr_sums, dtype=torch.float64)
-        for i, err in self.stats.unit_errors.items():
-            vec[5 + i] = err
-        if self.dp_size > 1:
-            with self.counter.tag("grpo_control"):
-                dist.all_reduce(vec, group=self.dp_group)
-        sa, sa2, se, se2, cnt = vec[:5].tolist()
-        if cnt <= 0:
+    def _finish_health(self) -> None:
+        """Figures of the dynamic tier over the whole replica (megatron_grpo.health); then
+        remediation when the relative compression error stays above the limit."""
+        with self.counter.tag("grpo_control"):
+            sums = self.layout.sum_over_replica(self._health.values)
+        self._health = None
+        dynamic = [i for i, t in enumerate(self.replica_tiers) if t == "dynamic"]
+        figures = health_figures(sums, dynamic)
+        if figures is None:
             return
-        var_a = sa2 / cnt - (sa / cnt) ** 2
-        var_e = se2 / cnt - (se / cnt) ** 2
-        self.last_gvr = var_a / var_e if var_e > 0 else 1.0
-        if self.monitor.update(self.last_gvr):
-            dynamic = [i for i, t in enumerate(self.tiers) if t == "dynamic"]
-            errors = [float(vec[5 + i]) / self.dp_size for i in dynamic]
+        self.last_health = figures
+        limit = self.config.max_compression_error
+        healthy = figures["rel_error"] <= limit  # False for NaN
+        if self.monitor.check(healthy):
+            errors = [figures["unit_rel_error"].get(i, math.nan) for i in dynamic]
             worst = self.monitor.select_worst(dynamic, errors)
-            plan = self.planner.promote(self.tiers, worst,
-                                        f"remediation: dynamic GVR {self.last_gvr:.3f} outside "
-                                        f"[{self.config.gvr_min}, {self.config.gvr_max}] for "
-                                        f"{self.config.gvr_window} checks")
+            plan = self.planner.promote(self.replica_tiers, worst,
+                                        f"remediation: dynamic relative compression error "
+                                        f"{figures['rel_error']:.3f} above "
+                                        f"--grpo-max-compression-error {limit} for "
+                                        f"{self.config.gvr_window} checks",
+                                        numels=self.replica_numels)
             self.remediations += 1
             self._apply_plan(self.step.k + 1, plan)
 
     # ------------------------------------------------------------------ reporting
     def shares(self) -> Dict[str, float]:
-        total = sum(u.numel for u in self.units) or 1
-        return {t: sum(u.numel for u, x in zip(self.units, self.tiers) if x == t) / total
+        """Share of the replica's gradient elements in each tier."""
+        total = sum(self.replica_numels) or 1
+        return {t: sum(n for n, x in zip(self.replica_numels, self.replica_tiers) if x == t) / total
                 for t in ("core", "dynamic", "stable")}
 
     def metrics(self, wire_by_tag: Dict[str, int], step_time_s: float) -> Dict:
-        s = self.shares()
-        out = {f"grpo_share_{t}": v for t, v in s.items()}
+        out = {f"grpo_share_{t}": v for t, v in self.shares().items()}
         for t in ("core", "dynamic", "stable"):
             out[f"wire_bytes_{t}"] = wire_by_tag.get(t, 0)
         out["wire_bytes_grpo_control"] = wire_by_tag.get("grpo_control", 0)
-        out["grpo_importance_time_s"] = self.stats.importance_time_s
-        out["grpo_ru"] = max(0.0, 1.0 - self.stats.wait_time_s / step_time_s) if step_time_s > 0 else None
+        out["grpo_importance_time_s"] = self.importance_timer.total_s()
+        wait = self.wait_timer_.total_s()
+        out["grpo_wait_time_s"] = wait
+        out["grpo_ru"] = max(0.0, 1.0 - wait / step_time_s) if step_time_s > 0 else None
+        out["grpo_timing"] = "cuda_events" if self.wait_timer_.on_device else "host"
         out["grpo_stable_update"] = self.step.stable_update
         out["grpo_tiered"] = self.tiered
         out["grpo_ef_bytes"] = self.ef.nbytes()
-        if self.step.measure_gvr and self.last_gvr is not None:
-            out["grpo_gvr_dynamic"] = self.last_gvr
-            out["grpo_gvr_core"] = 1.0  # exact by construction
+        out["grpo_skipped_steps"] = self.skipped_steps
+        if self.step.measure_health and self.last_health is not None and not self.step_skipped:
+            h = self.last_health
+            out["grpo_gvr_dynamic"] = h["gvr"]
+            out["grpo_rel_error_dynamic"] = h["rel_error"]
+            out["grpo_cosine_dynamic"] = h["cosine"]
+            out["grpo_gvr_in_range"] = self.config.gvr_min <= h["gvr"] <= self.config.gvr_max
         if self._new_events:
             out["grpo_retier"] = self._new_events
         out["grpo_tier_map"] = "".join(t[0] for t in self.tiers)
@@ -289,10 +452,11 @@ class GRPOController:
 
     # ------------------------------------------------------------------ checkpoint state
     def common_state(self) -> Dict:
-        """Identical on every data-parallel rank: stored once (rank 0)."""
-        return {"tiers": list(self.tiers), "tiered": self.tiered, "retier_pending": self.retier_pending,
-                "events": self.events, "remediations": self.remediations,
-                "monitor": dict(vars(self.monitor)), "last_gvr": self.last_gvr}
+        """Identical on every rank of the job (the replica's plan): stored once (rank 0)."""
+        return {"tiers": list(self.replica_tiers), "tiered": self.tiered,
+                "retier_pending": self.retier_pending, "events": self.events,
+                "remediations": self.remediations, "monitor": dict(vars(self.monitor)),
+                "last_health": self.last_health, "skipped_steps": self.skipped_steps}
 
     def rank_state(self) -> Dict:
         """Differs per rank: residuals, local importance, delayed accumulators, carries."""
@@ -303,17 +467,19 @@ class GRPOController:
     def load_common_state(self, state: Dict) -> None:
         if not state:
             return
-        if len(state["tiers"]) != len(self.units):
+        if len(state["tiers"]) != self.layout.num_global:
             raise ValueError(f"checkpointed GRPO tier map has {len(state['tiers'])} units but this "
-                             f"model has {len(self.units)}: resume with the same model, layout and "
-                             f"--grpo-bucket-mb")
-        self.tiers = list(state["tiers"])
+                             f"model replica has {self.layout.num_global}: resume with the same model, "
+                             f"layout and --grpo-bucket-mb")
+        self.replica_tiers = list(state["tiers"])
+        self.tiers = self.replica_tiers[self.layout.local]
         self.tiered = state["tiered"]
         self.retier_pending = state["retier_pending"]
         self.events = list(state["events"])
         self.remediations = state["remediations"]
         vars(self.monitor).update(state["monitor"])
-        self.last_gvr = state["last_gvr"]
+        self.last_health = state.get("last_health")
+        self.skipped_steps = state.get("skipped_steps", 0)
 
     def load_rank_state(self, state: Dict) -> None:
         if not state:

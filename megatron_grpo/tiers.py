@@ -331,6 +331,18 @@ class GVRMonitor:
             return True
         return False
 
+    def check(self, healthy: bool) -> bool:
+        """Record one check judged elsewhere (e.g. relative compression error within its limit);
+        True on the ``window``-th unhealthy check in a row, then the count starts again."""
+        if healthy:
+            self.consecutive = 0
+            return False
+        self.consecutive += 1
+        if self.consecutive >= self.window:
+            self.consecutive = 0
+            return True
+        return False
+
     def select_worst(self, dynamic_bucket_ids: Sequence[int],
                      per_bucket_error: Sequence[float]) -> List[int]:
         """The ``ceil(promote_share * len)`` buckets with the largest relative compression error.

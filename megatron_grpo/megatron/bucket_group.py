@@ -19,7 +19,6 @@ bucket layout, ready-count bookkeeping and overlap with backward stay as they ar
 from __future__ import annotations
 
 import contextlib
-import time
 
 import torch
 
@@ -47,7 +46,6 @@ class _Handles:
 class GRPOBucketGroup(_ParamAndGradBucketGroup):
     grpo = None          # GRPOController, set by install()
     grpo_unit = -1       # index of this group's tier unit
-    grpo_stream = None   # side CUDA stream for importance (None on CPU)
 
     # -- helpers -----------------------------------------------------------------------------
     @property
@@ -55,18 +53,24 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
         return self.intra_distributed_optimizer_instance_group
 
     def _side_stream(self):
-        if self.grpo_stream is None:
+        stream = self.grpo.side_stream
+        if stream is None:
             return contextlib.nullcontext()
         # The side stream first waits for the backward kernels that produced the gradients;
         # the collectives issued under it then wait for the importance kernels, not the reverse,
-        # so backward keeps running while importance is computed.
-        self.grpo_stream.wait_stream(torch.cuda.current_stream())
-        return torch.cuda.stream(self.grpo_stream)
+        # so backward keeps running while importance is computed. The main stream joins the
+        # side stream again in finish_grad_sync (and the controller at end of step), because a
+        # unit that issues no collective (a held stable unit) has nothing else carrying that
+        # dependency to the next step's zero_grad_buffer.
+        stream.wait_stream(self.grpo.current_stream())
+        return self.grpo.stream_context(stream)
 
     def _add_pending(self, scale_first: bool) -> None:
-        """Deliver carried residuals (a unit that left the dynamic tier) with this sync."""
+        """Deliver carried residuals (a unit that left the dynamic tier) with this sync. The
+        carry is removed only when the step is applied (GRPOController.end_step), so a skipped
+        step delivers it again next time."""
         for i, b in enumerate(self.buckets):
-            carry = self.grpo.carry.pop((self.grpo_unit, i), None)
+            carry = self.grpo.use_carry((self.grpo_unit, i))
             if carry is None:
                 continue
             # Megatron scales by gradient_scaling_factor inside start_grad_sync; the carry is
@@ -118,29 +122,27 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
             for i, b in enumerate(self.buckets):
                 shard = b.grad_data.numel() // ctrl.dp_size
                 out = b.grad_data[rank * shard:(rank + 1) * shard]
+                key = (self.grpo_unit, i)
                 handles.append(CompressedReduceScatter(
-                    (self.grpo_unit, i), b.grad_data, out, ctrl.ef, ctrl.compressor, self._group,
-                    async_op, stats=ctrl.gvr_stats(self.grpo_unit)))
+                    key, b.grad_data, out, ctrl.ef, ctrl.compressor, self._group, async_op,
+                    replicated=ctrl.replicated.get(key), stats=ctrl.health_stats(self.grpo_unit)))
         self.grad_reduce_handle = _Handles(handles) if async_op else _Completed()
 
     def _hold_stable_gradient(self) -> None:
-        """Between updates: frozen units have no gradient; delayed units accumulate theirs."""
+        """Between updates: frozen units have no gradient; delayed units keep theirs (scaled) in
+        the grad buffer, and the controller adds it to the accumulator once the step is applied
+        (a skipped step must leave the accumulator as it was)."""
         ctrl = self.grpo
         if ctrl.config.stable_mode != "delayed":
             return
         self._scale()
         for i, b in enumerate(self.buckets):
-            acc = ctrl.accum.get((self.grpo_unit, i))
-            if acc is None:
-                ctrl.accum[(self.grpo_unit, i)] = [b.grad_data.detach().clone(), 1]
-            else:
-                acc[0].add_(b.grad_data)
-                acc[1] += 1
+            ctrl.hold((self.grpo_unit, i), b.grad_data)
 
     def _merge_stable_accumulator(self) -> None:
         """Update step in delayed mode: sync the mean gradient of the steps since the last one."""
         for i, b in enumerate(self.buckets):
-            acc = self.grpo.accum.pop((self.grpo_unit, i), None)
+            acc = self.grpo.use_accumulator((self.grpo_unit, i))
             if acc is None:
                 continue
             factor = b.gradient_scaling_factor
@@ -167,9 +169,9 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
                 f"Communication call has not been issued for this bucket "
                 f"({len(self.per_param_grad_ready_counts)}/{len(self.params)} params have grad "
                 f"available; GRPO unit {self.grpo_unit}, tier {self.grpo.tiers[self.grpo_unit]})")
-        t0 = time.perf_counter()
-        self.grad_reduce_handle.wait()
-        self.grpo.stats.wait_time_s += time.perf_counter() - t0
+        with self.grpo.wait_timer():
+            self.grad_reduce_handle.wait()
+        self.grpo.join_side_stream()
         self.grad_reduce_handle = None
 
     # -- replaces _ParamAndGradBucketGroup.start_param_sync ------------------------------------
@@ -184,27 +186,33 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
             self.param_gather_dispatched = True
             return
         if tier == "dynamic" and ctrl.config.compress_param_gather and ctrl.dp_size > 1:
+            rank = self._group.rank()
             with ctrl.counter.tag("dynamic"):
                 for i, b in enumerate(self.buckets):
+                    param_flat = b.param_data.view(-1)
                     staged = ctrl.staging.pop((unit, i), None)
-                    if staged is None:  # no optimizer step this iteration for this bucket
-                        continue
-                    compressed_param_gather(b.param_data.view(-1), staged, ctrl.compressor, self._group)
+                    if staged is None:
+                        # This rank owns no parameter of the bucket (its shard is padding): it
+                        # still joins the gather, sending a zero update, because every rank
+                        # must issue the same collectives whatever its data.
+                        shard = param_flat.numel() // ctrl.dp_size
+                        staged = param_flat[rank * shard:(rank + 1) * shard].float()
+                    compressed_param_gather(param_flat, staged, ctrl.compressor, self._group,
+                                            replicated=ctrl.replicated.get((unit, i)))
             self.param_gather_dispatched = True
             return
-        t0 = time.perf_counter()
         with ctrl.counter.tag(tier):
-            super().start_param_sync(force_sync)
-        if not self.ddp_config.overlap_param_gather:
-            ctrl.stats.wait_time_s += time.perf_counter() - t0
+            if self.ddp_config.overlap_param_gather:
+                super().start_param_sync(force_sync)
+            else:
+                with ctrl.wait_timer():  # synchronous: the caller waits for it
+                    super().start_param_sync(force_sync)
 
 
 def install(ddp_chunks: list, controller) -> None:
     """Turn every bucket group of the DDP chunks into a GRPOBucketGroup bound to ``controller``."""
-    stream = torch.cuda.Stream() if controller.device.type == "cuda" else None
     for unit in controller.units:
         group = unit.group
         group.__class__ = GRPOBucketGroup
         group.grpo = controller
         group.grpo_unit = unit.index
-        group.grpo_stream = stream

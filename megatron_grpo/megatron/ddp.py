@@ -1,22 +1,37 @@
-"""GRPODistributedDataParallel: megatron DDP that keeps bucketing on every pipeline stage.
+"""GRPODistributedDataParallel: megatron DDP that keeps its buckets (GRPO's tier units).
 
-megatron-core turns bucketing off on pipeline stages after the first (one bucket per stage:
-their data-parallel communication is off the critical path). A tier needs several units per
-stage, so this subclass keeps ``ddp_config.bucket_size`` on every stage. It replaces only the
-assignment ``self.bucket_size = None`` made in ``DistributedDataParallel.__init__`` (0.16.1),
-through a property, before the buffers are built; nothing else changes.
+megatron-core builds one bucket per buffer in two cases: on pipeline stages after the first
+(their data-parallel communication is off the critical path) and whenever
+``overlap_grad_reduce`` is False (``ddp_config.bucket_size = None``). A tier needs several units,
+and with one bucket GRPO would silently become all-core. So this subclass keeps the requested
+``ddp_config.bucket_size`` in both cases. It replaces only the assignment ``self.bucket_size =
+...`` made in ``DistributedDataParallel.__init__`` (0.16.1), through a property, before the
+buffers are built. Without overlap, megatron still issues every bucket's sync from
+``finish_grad_sync`` (synchronously, after backward), so GRPO's per-bucket paths apply there
+too; importance is then measured after backward rather than during it.
 """
 
 from megatron.core.distributed import DistributedDataParallel
 
 
 class GRPODistributedDataParallel(DistributedDataParallel):
+    def __init__(self, config, ddp_config, module, *args, **kwargs):
+        # Read before megatron resets it to None for --no-overlap-grad-reduce; unset, it is
+        # megatron's own default (distributed_data_parallel.py, 0.16.1).
+        requested = ddp_config.bucket_size
+        if requested is None:
+            from megatron.core import parallel_state as ps
+
+            requested = max(40000000, 1000000 * ps.get_data_parallel_world_size())
+        self.__dict__["_grpo_requested_bucket_size"] = requested
+        super().__init__(config, ddp_config, module, *args, **kwargs)
+
     @property
     def bucket_size(self):
         return self.__dict__.get("_grpo_bucket_size")
 
     @bucket_size.setter
     def bucket_size(self, value):
-        if value is None and self.ddp_config.overlap_grad_reduce:
-            value = self.ddp_config.bucket_size
+        if value is None:
+            value = self.__dict__.get("_grpo_requested_bucket_size")
         self.__dict__["_grpo_bucket_size"] = value

@@ -61,6 +61,35 @@ class GRPODistributedOptimizer(DistributedOptimizer):
             if not ctrl.unit_active(unit):
                 shard.grad = None
 
+    # -- extends DistributedOptimizer.prepare_grads (megatron's found-inf path) --------------------
+    @torch.no_grad()
+    def prepare_grads(self) -> bool:
+        """megatron's own check (with a grad scaler), then GRPO's: a non-finite value in any
+        gradient this rank applies, or in a delayed stable unit's held local gradient, skips the
+        step on every rank (the flag is all-reduced over the grad-stats group, the whole job for
+        the distributed optimizer), exactly as megatron skips an fp16 overflow step. The
+        controller then leaves residuals, accumulators and importance as they were; without the
+        check, one Inf in a dynamic bucket made its error-feedback chunk non-finite for good."""
+        found = super().prepare_grads()
+        ctrl = self.grpo
+        if ctrl is None:
+            return found
+        if not found:
+            grads = [shard.grad for _, shard in self._pairs() if shard.grad is not None]
+            grads += [g for g in ctrl.held_gradients()]
+            device = ctrl.device
+            flag = torch.zeros(1, dtype=torch.float32, device=device)
+            if grads:
+                # Sum of norms is finite iff every gradient is (one fused kernel per dtype).
+                norms = torch._foreach_norm(grads)
+                flag += (~torch.isfinite(torch.stack([n.float() for n in norms]).sum())).float().to(device)
+            group = self.get_grad_stats_parallel_group()
+            with ctrl.counter.tag("grpo_control"):
+                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+            found = bool(flag.item() > 0)
+        ctrl.note_nonfinite(found)
+        return found
+
     # -- replaces DistributedOptimizer._copy_main_params_to_model_params ----------------------------
     def _copy_main_params_to_model_params(self):
         ctrl = self.grpo

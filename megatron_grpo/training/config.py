@@ -147,6 +147,11 @@ class LoggingSettings:
     """Directory for TensorBoard event files."""
     run_name: str = "run"
     """Name printed in the summary and stored in metrics records."""
+    check_weight_hash_interval: Optional[int] = None
+    """Every this many iterations, after the optimizer step, verify that all copies of the weights
+    that must be bit-identical are (data-parallel replicas, tensor-parallel copies of replicated
+    parameters, the tied embedding of the first and last pipeline stage); records weight_hash_ok
+    and stops the run with an error naming the parameters on a mismatch. Off by default."""
 
 
 @dataclass

@@ -103,6 +103,9 @@ def run(cfg: PretrainConfig, hooks: Optional[RunHooks] = None) -> RunSummary:
     hooks = hooks or default_hooks(cfg)
     t, lg = cfg.training, cfg.logging
     platform = select_platform(force_cpu=t.cpu, local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+    from megatron_grpo.megatron import weight_check
+
+    hash_interval = weight_check.validate_interval(lg.check_weight_hash_interval)
     # Import megatron's buffer module before installing the counter so its import-time
     # reference to reduce_scatter/all_gather is rebound to the counting wrappers.
     import megatron.core.distributed.param_and_grad_buffer  # noqa: F401
@@ -195,6 +198,16 @@ def run(cfg: PretrainConfig, hooks: Optional[RunHooks] = None) -> RunSummary:
         if device_peak is not None:
             record["peak_device_bytes"] = device_peak
         record.update(hooks.step_metrics(iteration, wire, step_time))
+        if weight_check.check_due(hash_interval, iteration):
+            hashes = weight_check.check_weight_hashes(built.ddp_model)  # tagged "weight_check"
+            counter.reset()  # its traffic is no step's traffic
+            record["weight_hash_ok"] = hashes.ok
+            if not hashes.ok:  # log the failing record, then stop on every rank (no save)
+                if writer:
+                    logger.log(record)
+                logger.close()
+                raise weight_check.WeightHashMismatch(
+                    weight_check.failure_message(hashes, iteration))
         if iteration % lg.eval_interval == 0 or iteration == t.train_iters:
             if lg.eval_iters > 0:
                 valid_iter = MicroBatchIterator(valid_ds, 0, mbs, dp_rank, dp_size)

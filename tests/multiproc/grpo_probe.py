@@ -28,6 +28,23 @@ def digest(tensors) -> str:
     return h.hexdigest()[:16]
 
 
+def _signflip_class():
+    from megatron_grpo.comm.compress import Int4Compressor
+
+    class SignFlipInt4(Int4Compressor):
+        """Decodes every value with the wrong sign: not contractive (||D(q) - c|| = 2 ||c||), the
+        kind of broken compressor remediation exists for. GVR cannot see it (same variance)."""
+
+        def _decode_rows(self, payload2d, numel):
+            return super()._decode_rows(payload2d, numel).neg_()
+
+    return SignFlipInt4
+
+
+def SignFlipInt4(chunk):
+    return _signflip_class()(chunk)
+
+
 def main():
     import torch.distributed as dist
 
@@ -36,6 +53,14 @@ def main():
     from megatron_grpo.training.loop import run
 
     out_path, argv = sys.argv[1], sys.argv[2:]
+    damaging = "--probe-signflip-compressor" in argv  # a compressor that must be caught
+    argv = [a for a in argv if a != "--probe-signflip-compressor"]
+    inject = None  # --probe-inf ITER:TIER puts one Inf into a gradient of that tier on rank 1
+    if "--probe-inf" in argv:
+        i = argv.index("--probe-inf")
+        it, tier = argv[i + 1].split(":")
+        inject = (int(it), tier)
+        argv = argv[:i] + argv[i + 2:]
     cfg = parse_args(argv, world_size=int(os.environ["WORLD_SIZE"]))
     hooks = grpo_hooks(cfg)
     records = []
@@ -46,6 +71,8 @@ def main():
         base_after_build(built)
         probe["built"] = built
         probe["ctrl"] = next(iter(grpo_optimizers(built.optimizer))).grpo
+        if damaging:
+            probe["ctrl"].compressor = SignFlipInt4(probe["ctrl"].config.compress_chunk)
 
     def optimizer_moments(ctrl, unit):
         opt = next(iter(grpo_optimizers(probe["built"].optimizer)))
@@ -65,6 +92,20 @@ def main():
         probe["before"] = {i: (digest(ctrl.units[i].params), digest(optimizer_moments(ctrl, i)))
                            for i in frozen}
         probe["requires_grad"] = {i: any(p.requires_grad for p in ctrl.units[i].params) for i in frozen}
+        probe["injected"] = None
+        if inject and inject[0] == iteration + 1:
+            unit = next(u for u, t in zip(ctrl.units, ctrl.tiers) if t == inject[1])
+            probe["injected"] = unit.index
+            if dist.get_rank() == 1:
+                param = unit.params[0]
+
+                def poison(grad, param=param):
+                    probe["hook"].remove()
+                    grad = grad.clone()
+                    grad.view(-1)[0] = float("inf")
+                    return grad
+
+                probe["hook"] = param.register_hook(poison)
 
     def after_step(iteration):
         ctrl = probe["ctrl"]
@@ -77,10 +118,17 @@ def main():
                 moments_same=digest(optimizer_moments(ctrl, i)) == probe["before"][i][1],
                 grad_buffer_zero=grads_zero, requires_grad=probe["requires_grad"][i])
         tiers = list(ctrl.tiers)
+        from megatron_grpo.comm.wire import wire_counter
+
+        # The step's collectives so far (the loop resets the counter after this hook): every
+        # rank must issue the same ones whatever its data.
+        wire = wire_counter().snapshot()
         base_after(iteration)
         pending = dict(ef_units=sorted({k[0] for k in ctrl.ef.keys()}),
                        carry_units=sorted({k[0] for k in ctrl.carry}), tiers_after=list(ctrl.tiers))
         all_params = [p for chunk in probe["built"].ddp_model for p in chunk.module.parameters()]
+        # Parameters every tensor-parallel rank holds a copy of (layernorms, row-parallel biases).
+        replicated = [p for p in all_params if not getattr(p, "tensor_model_parallel", False)]
         dp, comp = ctrl.dp_size, ctrl.compressor
         expected = {"core": 0, "dynamic": 0, "stable": 0}
         for unit, tier in zip(ctrl.units, tiers):
@@ -91,17 +139,38 @@ def main():
                 if tier == "dynamic":
                     payload = comp.payload_bytes(n // dp)
                     expected[tier] += 2 * (dp - 1) * payload  # all_to_all out + all-gather
+                    rep = ctrl.replicated.get((unit.index, unit.group.buckets.index(b)))
+                    if rep is not None:  # exact all-reduces of replicated grads and values
+                        expected[tier] += 2 * (2 * (dp - 1) * 4 * rep.numel // dp)
                 else:  # fp32 gradient reduce-scatter + all-gather of the parameters' own dtype
                     expected[tier] += (dp - 1) * (n // dp) * (4 + b.param_data.element_size())
         from megatron.core import parallel_state as ps
 
         records.append(dict(tp=ps.get_tensor_model_parallel_rank(),
                             pp=ps.get_pipeline_model_parallel_rank(), iteration=iteration, tiers="".join(t[0] for t in tiers),
-                            digest=digest(all_params), frozen=frozen_checks, expected=expected,
-                            stable_update=ctrl.step.stable_update, **pending))
+                            digest=digest(all_params), replicated_digest=digest(replicated),
+                            frozen=frozen_checks, expected=expected, calls=wire["calls"],
+                            stable_update=ctrl.step.stable_update, skipped=ctrl.step_skipped,
+                            injected=probe["injected"],
+                            ef_digest=digest([ctrl.ef.residual(k) for k in sorted(ctrl.ef.keys())]),
+                            accum_digest=digest([ctrl.accum[k][0] for k in sorted(ctrl.accum)]),
+                            accum_counts=[ctrl.accum[k][1] for k in sorted(ctrl.accum)],
+                            carry_digest=digest([ctrl.carry[k] for k in sorted(ctrl.carry)]),
+                            **pending))
 
     hooks.after_build, hooks.before_step, hooks.after_step = after_build, before_step, after_step
     run(cfg, hooks)
+    # Buckets whose shard on this rank holds no parameter element (only padding).
+    ctrl = probe["ctrl"]
+    rank = dist.get_rank(ctrl.dp_group)
+    padding_only = 0
+    for unit in ctrl.units:
+        for b in unit.group.buckets:
+            shard = b.grad_data.numel() // ctrl.dp_size
+            lo, hi = rank * shard, (rank + 1) * shard
+            if not any(start < hi and end > lo for start, end in b.param_to_index.values()):
+                padding_only += 1
+    records[-1]["padding_only_shards"] = padding_only
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, records)
     if dist.get_rank() == 0:

@@ -13,7 +13,8 @@ STEPS, N = 40, 4096
 
 def _worker(rank, port, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from megatron_grpo.comm.compress import ErrorFeedback, Int4Compressor
+    from megatron_grpo.comm.compress import Int4Compressor
+    from megatron_grpo.comm.error_feedback import ErrorFeedback
     from megatron_grpo.comm.dynamic import CompressedReduceScatter, compressed_param_gather
 
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -27,6 +28,7 @@ def _worker(rank, port, queue):
         buf = grad.clone()
         shard = buf[rank * N // 2:(rank + 1) * N // 2]
         CompressedReduceScatter("b", buf, shard, ef, comp, group=None, async_op=True).wait()
+        ef.commit()  # the step was applied
         applied_sum += shard.double()
     # What every rank should have received for my shard: sum over ranks of their true grads,
     # minus what error feedback still holds back (each rank's final residual for my shard).

@@ -1,0 +1,132 @@
+"""Error feedback of the dynamic tier, with residual updates that take effect only on a good step.
+
+Each step a dynamic bucket sends q = C(g + r) and keeps r' = (g + r) - D(q), so over T steps the
+receivers get sum D(q_t) = sum g_t - r_T (up to fp32 rounding): nothing is lost, only delayed.
+
+Why the update is staged rather than applied at once: a step can be skipped after the
+gradients were sent (a non-finite gradient anywhere in the replica, found by the optimizer).
+On a skipped step nothing was applied, so the residual must stay what it was; writing r' in
+place and undoing it later would need a second copy of every residual or fp32 round trips
+that do not give back the same bits. So ``owed`` adds r into the gradient buffer (which becomes
+c = g + r, the buffer megatron reduces anyway), the payloads are computed from it, and
+``commit`` (after the optimizer step succeeded) writes r' = c - D(q) from the buffer and the
+kept payload; ``discard`` keeps r. Between ``owed`` and ``commit`` nothing but the bucket's own
+shard may change in the gradient buffer: the reduce-scatter overwrites that shard with the
+reduced sum, so its c is kept aside (``stage(c_own=...)``, 1/dp of the bucket).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Hashable, List, Optional
+
+import torch
+
+
+@dataclass
+class _Staged:
+    grad: torch.Tensor
+    """The bucket's gradient buffer holding c = g + r (own shard overwritten later)."""
+    c_own: torch.Tensor
+    """c of this rank's own shard, kept before the reduce-scatter overwrote it."""
+    payload: torch.Tensor
+    """uint8 [dp, payload bytes]: what was sent for every shard."""
+    rank: int
+    compressor: object
+    zero_index: Optional[torch.Tensor]
+    """Elements sent exactly (replicated parameters): their residual stays 0."""
+
+
+class ErrorFeedback:
+    """Per-bucket residuals of error feedback (keys: (unit, bucket index in its group))."""
+
+    def __init__(self) -> None:
+        self._residuals: Dict[Hashable, torch.Tensor] = {}
+        self._staged: Dict[Hashable, _Staged] = {}
+
+    # ------------------------------------------------------------------ one step
+    def owed(self, key: Hashable, grad: torch.Tensor) -> torch.Tensor:
+        """Add the residual of ``key`` into ``grad`` in place (grad becomes c = g + r); returns it."""
+        if not isinstance(grad, torch.Tensor) or grad.dim() != 1 or grad.dtype != torch.float32:
+            raise ValueError(f"ErrorFeedback.owed: grad must be a 1-D torch.float32 tensor, got "
+                             f"{getattr(grad, 'dtype', type(grad))} with shape "
+                             f"{tuple(getattr(grad, 'shape', ()))}")
+        residual = self._residuals.get(key)
+        if residual is not None:
+            if residual.numel() != grad.numel():
+                raise ValueError(f"ErrorFeedback.owed: residual for key {key!r} has {residual.numel()} "
+                                 f"elements but grad has {grad.numel()}; drop(key) when a bucket changes")
+            if residual.device != grad.device:  # loaded from a checkpoint onto the CPU
+                residual = residual.to(grad.device)
+                self._residuals[key] = residual
+            grad.add_(residual)
+        return grad
+
+    def stage(self, key: Hashable, grad: torch.Tensor, payload: torch.Tensor, rank: int,
+              compressor, zero_index: Optional[torch.Tensor] = None) -> None:
+        """Remember what ``commit`` needs to turn c (in ``grad``) into the new residual.
+        Call right after compressing, before the reduce-scatter writes this rank's shard."""
+        dp = payload.shape[0]
+        shard = grad.numel() // dp
+        c_own = grad[rank * shard:(rank + 1) * shard].clone()
+        self._staged[key] = _Staged(grad, c_own, payload, rank, compressor, zero_index)
+
+    def commit(self) -> None:
+        """The step was applied: every staged bucket's residual becomes c - D(q)."""
+        for key, s in self._staged.items():
+            dp = s.payload.shape[0]
+            shard = s.grad.numel() // dp
+            residual = self._residuals.get(key)
+            if residual is None or residual.device != s.grad.device:
+                residual = torch.empty_like(s.grad)
+                self._residuals[key] = residual
+            residual.copy_(s.grad)
+            rows = residual.view(dp, shard)
+            rows[s.rank].copy_(s.c_own)
+            rows.sub_(s.compressor.decompress_rows(s.payload, shard))
+            if s.zero_index is not None and s.zero_index.numel():
+                residual.index_fill_(0, s.zero_index, 0.0)
+        self._staged.clear()
+
+    def discard(self) -> None:
+        """The step was skipped: residuals stay as they were before it."""
+        self._staged.clear()
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._staged)
+
+    # ------------------------------------------------------------------ bookkeeping
+    def residual(self, key: Hashable) -> Optional[torch.Tensor]:
+        """The committed residual of ``key`` (None before its first commit)."""
+        return self._residuals.get(key)
+
+    def reset(self, key: Hashable) -> None:
+        """Zero the residual of ``key``; keeps the buffer."""
+        if key in self._residuals:
+            self._residuals[key].zero_()
+
+    def drop(self, key: Hashable) -> None:
+        """Free the residual of ``key`` (bucket left the dynamic tier)."""
+        self._residuals.pop(key, None)
+
+    def keys(self) -> List[Hashable]:
+        return list(self._residuals)
+
+    def nbytes(self) -> int:
+        """Memory held by the residuals, in bytes."""
+        return sum(r.numel() * r.element_size() for r in self._residuals.values())
+
+    def state_dict(self) -> Dict[str, Dict[Hashable, torch.Tensor]]:
+        """Residuals copied to the CPU, for checkpoints (taken between steps: nothing staged)."""
+        if self._staged:
+            raise RuntimeError("ErrorFeedback.state_dict: a step is staged (commit or discard first)")
+        return {"residuals": {k: r.detach().to("cpu", copy=True) for k, r in self._residuals.items()}}
+
+    def load_state_dict(self, state: Dict[str, Dict[Hashable, torch.Tensor]]) -> None:
+        """Replace all residuals; they stay on the CPU until the next ``owed`` moves them."""
+        if not isinstance(state, dict) or "residuals" not in state:
+            raise ValueError("ErrorFeedback.load_state_dict: state must be a dict from state_dict() "
+                             "with key 'residuals'")
+        self._residuals = {k: v.detach().clone() for k, v in state["residuals"].items()}
+        self._staged.clear()

@@ -1,0 +1,83 @@
+"""Compression health of the dynamic tier: what a sampled step measures and how it is judged.
+
+On a monitoring step every dynamic bucket reports, before sending, what this rank delivers
+(a = D(q)) and what it owed (c = g + r: this step's gradient plus the error-feedback residual).
+Per unit, sums are kept in float64 over all elements: sum a, sum a^2, sum c, sum c^2, sum a*c,
+count. They are summed over every rank of the job (all data-parallel and model-parallel
+ranks, one all-reduce of a small vector laid out over all units of the model replica; see
+megatron_grpo.replica), so every rank derives the same figures:
+
+* ``gvr``: Var(a) / Var(c), the gradient variance ratio of the design notes. Kept as a report.
+  It is blind to sign errors and to error that leaves the variance alone (an int4 chunk with one
+  outlier zeroes the other 255 elements and still reads ~1), and top-k reads ~0.3 by
+  construction, so it cannot say "bad" reliably and drives no action.
+* ``rel_error``: ||a - c|| / ||c||, the share of what was owed that this step held back.
+  Error feedback converges when the compressor is contractive (rel_error < 1: what is held back
+  is smaller than what was owed); a compressor at or above 1 (sign errors, noise, a broken
+  decode) makes the residual grow without bound. Every healthy compressor reads below 1:
+  int4 ~0.1, int8 ~0.01, top-k 5 % ~0.7-0.9 (it holds back most elements, but error feedback
+  delivers them later). This is what remediation watches (``--grpo-max-compression-error``).
+* ``cosine``: a.c / (||a|| ||c||), direction agreement; -1 for a sign flip.
+
+All figures are pooled over the dynamic tier; ``rel_error`` is also kept per unit to pick the
+units to promote.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional
+
+import torch
+
+FIELDS = 6
+"""Per-unit sums: a, a^2, c, c^2, a*c, count."""
+
+
+class HealthSums:
+    """Per-unit sums of one monitoring step, on the device (no host sync while collecting)."""
+
+    def __init__(self, num_units: int, device) -> None:
+        self.values = torch.zeros(num_units, FIELDS, dtype=torch.float64, device=device)
+        self.units: set = set()
+
+    def add(self, unit: int, applied: torch.Tensor, owed: torch.Tensor) -> None:
+        a, c = applied.double(), owed.double()
+        row = torch.stack([a.sum(), (a * a).sum(), c.sum(), (c * c).sum(), (a * c).sum(),
+                           torch.tensor(float(a.numel()), dtype=torch.float64, device=a.device)])
+        self.values[unit].add_(row)
+        self.units.add(unit)
+
+
+def _figures(row: List[float]) -> Dict[str, float]:
+    sa, saa, sc, scc, sac, n = row
+    if n <= 0:
+        return {}
+    var_a = saa / n - (sa / n) ** 2
+    var_c = scc / n - (sc / n) ** 2
+    err2 = max(saa - 2.0 * sac + scc, 0.0)
+    norm_a, norm_c = math.sqrt(max(saa, 0.0)), math.sqrt(max(scc, 0.0))
+    return {
+        "gvr": var_a / var_c if var_c > 0 else (1.0 if var_a == 0 else math.inf),
+        "rel_error": math.sqrt(err2) / norm_c if norm_c > 0 else (0.0 if err2 == 0 else math.inf),
+        "cosine": sac / (norm_a * norm_c) if norm_a > 0 and norm_c > 0 else 1.0,
+    }
+
+
+def health_figures(global_sums: torch.Tensor, dynamic_units: List[int]) -> Optional[Dict]:
+    """Pooled figures over ``dynamic_units`` and per-unit rel_error, from summed HealthSums
+    values ([units, FIELDS], identical on every rank). None when nothing was measured."""
+    rows = global_sums.detach().cpu().tolist()
+    pooled = [0.0] * FIELDS
+    per_unit = {}
+    for u in dynamic_units:
+        for j in range(FIELDS):
+            pooled[j] += rows[u][j]
+        fig = _figures(rows[u])
+        if fig:
+            per_unit[u] = fig["rel_error"]
+    out = _figures(pooled)
+    if not out:
+        return None
+    out["unit_rel_error"] = per_unit
+    return out
