@@ -13,6 +13,7 @@ from typing import Optional
 TIERS = ("core", "dynamic", "stable")
 COMPRESSORS = ("int4", "int8", "topk")
 STABLE_MODES = ("frozen", "delayed")
+SPARSE_TIERS = ("no-stable", "any")
 
 
 class GRPOConfigError(ValueError):
@@ -74,6 +75,11 @@ class GRPOConfig:
     remediation_promote: float = 0.25
     """Share of dynamic buckets (the worst by relative compression error) promoted to core on
     remediation."""
+    sparse_gradient_tier: str = "no-stable"
+    """Tiering of units holding a sparse-gradient parameter (the word embedding: only the rows of
+    tokens in the batch get a gradient). no-stable: core or dynamic, never stable (frozen stable
+    mode would drop every gradient row seen between updates, 9 of 10 at --grpo-stable-interval
+    10); any: tiered by importance like every other unit."""
     max_dynamic_share: float = 0.70
     """Guard: the dynamic tier never holds more than this share of parameters."""
 
@@ -108,6 +114,8 @@ class GRPOConfig:
             fail("compressor", "one of " + ", ".join(COMPRESSORS), self.compressor)
         if not 0.0 < self.topk_ratio <= 1.0:
             fail("topk_ratio", "in (0, 1]", self.topk_ratio)
+        if self.sparse_gradient_tier not in SPARSE_TIERS:
+            fail("sparse_gradient_tier", "one of " + ", ".join(SPARSE_TIERS), self.sparse_gradient_tier)
         if self.stable_mode not in STABLE_MODES:
             fail("stable_mode", "one of " + ", ".join(STABLE_MODES), self.stable_mode)
         if not 0.0 < self.gvr_min < self.gvr_max:

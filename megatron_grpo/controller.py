@@ -59,6 +59,8 @@ class TierUnit:
     """Human-readable span of parameter names, for re-tier logs."""
     pinned: Optional[str] = None
     """Tier this unit must keep (see GRPOController), or None."""
+    sparse: bool = False
+    """Holds a sparse-gradient parameter (an embedding table: rows of unseen tokens get none)."""
 
 
 @dataclass
@@ -129,6 +131,7 @@ class GRPOController:
                 if stages > 1 and any(getattr(p, "shared_embedding", False) or getattr(p, "shared", False)
                                       for p in params):
                     unit.pinned = "core"
+                unit.sparse = any(names.get(p, "").endswith("word_embeddings.weight") for p in params)
                 for b in group.buckets:
                     self.unit_of_bucket[id(b)] = unit.index
                 self.units.append(unit)
@@ -140,11 +143,14 @@ class GRPOController:
                 f"several DDP buckets. Lower --grpo-bucket-mb (now {config.bucket_mb} MB) below the "
                 f"model's gradient size, or build the DDP model with GRPODistributedDataParallel "
                 f"(plain megatron DDP keeps one bucket on later pipeline stages and without overlap)")
-        rows = torch.tensor([[u.numel, 1.0 if u.pinned else 0.0] for u in self.units],
-                            dtype=torch.float64, device=self.device).view(n, 2)
-        replica = self.layout.sum_over_replica(rows).tolist()
+        rows = torch.tensor([[u.numel, 1.0 if u.pinned else 0.0, 1.0 if u.sparse else 0.0]
+                             for u in self.units], dtype=torch.float64, device=self.device).view(n, 3)
+        with self.counter.tag("grpo_control"):
+            replica = self.layout.sum_over_replica(rows).tolist()
         self.replica_numels = [int(round(r[0] / self.layout.copies)) for r in replica]
         self.replica_pinned = [r[1] > 0 for r in replica]
+        self.replica_no_stable = [r[2] > 0 and config.sparse_gradient_tier == "no-stable"
+                                  for r in replica]
         self.replica_tiers: List[str] = ["core"] * self.layout.num_global
         self.tiers: List[str] = ["core"] * n
         # Replicated (non-TP-split) parameters of compressed buckets travel exactly, so their
@@ -315,7 +321,8 @@ class GRPOController:
         density = self._replica_density()
         free = [i for i, pinned in enumerate(self.replica_pinned) if not pinned]
         plan = self.planner.plan([density[i] for i in free], [self.replica_numels[i] for i in free],
-                                 [self.replica_tiers[i] for i in free] if self.tiered else None)
+                                 [self.replica_tiers[i] for i in free] if self.tiered else None,
+                                 no_stable=[self.replica_no_stable[i] for i in free])
         tiers = ["core"] * self.layout.num_global
         for i, t in zip(free, plan.tiers):
             tiers[i] = t

@@ -149,24 +149,30 @@ class TierPlanner:
                    config.hysteresis, config.max_dynamic_share)
 
     def plan(self, density: Sequence[float], numels: Sequence[int],
-             current: Optional[Sequence[str]] = None, reason: Optional[str] = None) -> TierPlan:
+             current: Optional[Sequence[str]] = None, reason: Optional[str] = None,
+             no_stable: Optional[Sequence[bool]] = None) -> TierPlan:
         """Tiers for buckets with importance ``density`` and ``numels`` gradient elements.
 
         ``current`` (the tiers in force, or None for the first plan) turns on hysteresis and
-        fills ``moved``. The result depends only on the arguments.
+        fills ``moved``. Buckets flagged in ``no_stable`` rank for core and dynamic as usual but
+        are skipped by the stable fill (sparse-gradient parameters, see GRPOConfig
+        ``sparse_gradient_tier``). The result depends only on the arguments.
         """
         d = _as_floats(density, "density")
         n = len(d)
         sizes = _as_numels(numels, n)
         cur = _check_tiers(current, n) if current is not None else None
-        tiers, guard = self._plan_once(d, sizes, cur)
+        keep_out = [bool(x) for x in no_stable] if no_stable is not None else [False] * n
+        if len(keep_out) != n:
+            raise ValueError(f"no_stable must have one entry per bucket ({n}), got {len(keep_out)}")
+        tiers, guard = self._plan_once(d, sizes, cur, keep_out)
         if cur is not None:
             # Settle: re-plan with the result as incumbent until nothing changes, so that the
             # next re-tier on unchanged scores moves nothing. Only unequal bucket sizes need
             # this (the fill is order-dependent); random trials settled within 2 rounds. The
             # bound keeps it finite; any exit is still deterministic.
             for _ in range(self.SETTLE_ROUNDS):
-                again, again_guard = self._plan_once(d, sizes, tiers)
+                again, again_guard = self._plan_once(d, sizes, tiers, keep_out)
                 if again == tiers:
                     break
                 tiers, guard = again, again_guard
@@ -178,8 +184,8 @@ class TierPlanner:
         return TierPlan(tiers=tiers, moved=_moves(cur, tiers), shares=_shares(tiers, sizes),
                         reason="; ".join(notes))
 
-    def _plan_once(self, d: List[float], sizes: List[int],
-                   cur: Optional[List[str]]) -> Tuple[List[str], List[int]]:
+    def _plan_once(self, d: List[float], sizes: List[int], cur: Optional[List[str]],
+                   no_stable: List[bool]) -> Tuple[List[str], List[int]]:
         """One pass of quota fill (with incumbency bonus when ``cur`` is given) and guard."""
         n = len(d)
         total = sum(sizes)
@@ -197,7 +203,7 @@ class TierPlanner:
 
         core = _fill(sorted(range(n), key=core_key), sizes, self.core_share * total)
         in_core = set(core)
-        rest = [b for b in range(n) if b not in in_core]
+        rest = [b for b in range(n) if b not in in_core and not no_stable[b]]
         stable = _fill(sorted(rest, key=stable_key), sizes, self.stable_share * total)
         tiers = ["dynamic"] * n
         for b in core:

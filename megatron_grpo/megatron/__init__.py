@@ -8,6 +8,7 @@ one GRPOController per model replica.
 
 from __future__ import annotations
 
+from megatron_grpo.hooks import RunHooks
 from megatron_grpo.megatron.bucket_group import GRPOBucketGroup, install
 from megatron_grpo.megatron.ddp import GRPODistributedDataParallel
 from megatron_grpo.megatron.optimizer import (GRPODistributedOptimizer, get_grpo_optimizer,
@@ -19,7 +20,6 @@ def grpo_hooks(cfg):
     from megatron.core import parallel_state as ps
 
     from megatron_grpo.controller import GRPOController
-    from megatron_grpo.training.loop import RunHooks
 
     state = {}
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import List, Optional
 
 import torch.distributed as dist
 
 from megatron_grpo.comm.wire import wire_counter
+from megatron_grpo.hooks import RunHooks
 from megatron_grpo.metrics import MetricsLogger, peak_rss_bytes
 from megatron_grpo.platform import select_platform
 from megatron_grpo.training import checkpointing
@@ -22,34 +23,6 @@ from megatron_grpo.training.config import PretrainConfig
 from megatron_grpo.training.model import (build_model, data_parallel_info, init_distributed,
                                           is_metrics_rank, model_parallel_init, optional_device_peak)
 from megatron_grpo.training.step import ForwardStep, evaluate, microbatch_layout, train_step
-
-
-@dataclass
-class RunHooks:
-    """Extension points of a run; the defaults do nothing (the megatron baseline)."""
-
-    optimizer_factory: Optional[Callable] = None
-    """(OptimizerConfig, model_chunks) -> optimizer; default megatron's get_megatron_optimizer."""
-    ddp_class: Optional[type] = None
-    """DDP class; default megatron's DistributedDataParallel."""
-    bucket_size: Optional[int] = None
-    """DDP bucket size in elements, overriding --ddp-bucket-size."""
-    after_build: Callable = lambda built: None
-    """Called once the model, DDP and optimizer exist (before --load)."""
-    before_step: Callable = lambda iteration: None
-    """Called before each training step."""
-    after_step: Callable = lambda iteration: None
-    """Called after each optimizer step (iteration = steps done)."""
-    step_metrics: Callable = lambda iteration, wire, step_time: {}
-    """Extra fields for the iteration's metrics record (wire: the step's byte counts)."""
-    checkpoint_state: Callable = lambda: {}
-    """Extra plain state stored in checkpoints, identical on all ranks (written by rank 0)."""
-    load_state: Callable = lambda state: None
-    """Restores what checkpoint_state returned."""
-    rank_state: Callable = lambda: {}
-    """Extra state that differs per rank, stored in the rank's own checkpoint file."""
-    load_rank_state: Callable = lambda state: None
-    """Restores what rank_state returned."""
 
 
 @dataclass

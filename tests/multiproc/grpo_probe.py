@@ -41,6 +41,40 @@ def _signflip_class():
     return SignFlipInt4
 
 
+def install_fake_streams(ctrl, log):
+    """Give the controller a recording stand-in for its CUDA side stream, so a CPU run shows
+    where the GPU path would enqueue work on it and where the main stream joins it again."""
+    import contextlib
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append(f"{self.name}<-{other.name}")
+
+    main, side = Stream("main"), Stream("side")
+
+    @contextlib.contextmanager
+    def on(stream):
+        log.append(f"enter:{stream.name}")
+        try:
+            yield
+        finally:
+            log.append(f"exit:{stream.name}")
+
+    ctrl.side_stream = side
+    ctrl.current_stream = lambda: main
+    ctrl.stream_context = on
+    original_end = ctrl.end_step
+
+    def end_step():
+        log.append("end_step")
+        original_end()
+
+    ctrl.end_step = end_step
+
+
 def SignFlipInt4(chunk):
     return _signflip_class()(chunk)
 
@@ -55,6 +89,8 @@ def main():
     out_path, argv = sys.argv[1], sys.argv[2:]
     damaging = "--probe-signflip-compressor" in argv  # a compressor that must be caught
     argv = [a for a in argv if a != "--probe-signflip-compressor"]
+    fake_streams = "--probe-fake-streams" in argv  # record side-stream use and joins (CPU)
+    argv = [a for a in argv if a != "--probe-fake-streams"]
     inject = None  # --probe-inf ITER:TIER puts one Inf into a gradient of that tier on rank 1
     if "--probe-inf" in argv:
         i = argv.index("--probe-inf")
@@ -73,6 +109,8 @@ def main():
         probe["ctrl"] = next(iter(grpo_optimizers(built.optimizer))).grpo
         if damaging:
             probe["ctrl"].compressor = SignFlipInt4(probe["ctrl"].config.compress_chunk)
+        if fake_streams:
+            install_fake_streams(probe["ctrl"], probe.setdefault("stream_log", []))
 
     def optimizer_moments(ctrl, unit):
         opt = next(iter(grpo_optimizers(probe["built"].optimizer)))
@@ -146,6 +184,9 @@ def main():
                     expected[tier] += (dp - 1) * (n // dp) * (4 + b.param_data.element_size())
         from megatron.core import parallel_state as ps
 
+        if fake_streams:
+            pending["stream_log"] = list(probe["stream_log"])
+            probe["stream_log"].clear()
         records.append(dict(tp=ps.get_tensor_model_parallel_rank(),
                             pp=ps.get_pipeline_model_parallel_rank(), iteration=iteration, tiers="".join(t[0] for t in tiers),
                             digest=digest(all_params), replicated_digest=digest(replicated),
@@ -175,7 +216,8 @@ def main():
     dist.all_gather_object(gathered, records)
     if dist.get_rank() == 0:
         with open(out_path, "w") as fh:
-            json.dump({"ranks": gathered, "units": [u.numel for u in probe["ctrl"].units]}, fh)
+            json.dump({"ranks": gathered, "units": [u.numel for u in probe["ctrl"].units],
+                       "names": [u.name for u in probe["ctrl"].units]}, fh)
     dist.barrier()
     dist.destroy_process_group()
 

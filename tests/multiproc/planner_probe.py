@@ -96,7 +96,8 @@ def main():
 
     from megatron_grpo.megatron import grpo_hooks, grpo_optimizers
     from megatron_grpo.training.arguments import parse_args
-    from megatron_grpo.training.loop import RunHooks, run
+    from megatron_grpo.hooks import RunHooks
+    from megatron_grpo.training.loop import run
 
     out_path, argv = sys.argv[1], sys.argv[2:]
     cfg = parse_args(argv, world_size=int(os.environ["WORLD_SIZE"]))

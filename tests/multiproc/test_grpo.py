@@ -302,3 +302,53 @@ def test_non_finite_gradient_skips_the_step_and_keeps_grpo_state(stdlib_data, tm
     if mode == "delayed" and it == 14:
         assert probe["ranks"][0][it - 2]["accum_counts"]  # a held accumulator existed
 
+
+def test_main_stream_joins_the_side_stream_before_state_is_read(stdlib_data, tmp_path):
+    # On GPU, importance and the delayed stable tier's held gradients run on a side stream. A held
+    # unit issues no collective that would carry the dependency, so unless the main stream waits
+    # for the side stream, end_step's accumulation and the next zero_grad_buffer race it. Here a
+    # recording stand-in stream shows where the GPU path enqueues and joins.
+    probe = run_probe(tmp_path, 2, [*SMALL_MODEL, *GRPO_SMALL, "--data-path", stdlib_data,
+                                    "--train-iters", "12", "--eval-iters", "0", "--eval-interval", "12",
+                                    "--grpo-stable-mode", "delayed", "--probe-fake-streams"])
+    for rank in probe["ranks"]:
+        for rec in rank:
+            log = rec["stream_log"]
+            assert log.count("enter:side") > 0 and log.count("enter:side") == log.count("exit:side")
+            assert log.count("end_step") == 1
+            end = log.index("end_step")
+            last_side = max(i for i, e in enumerate(log) if e == "exit:side")
+            # Every side-stream section began by waiting for the main stream (the gradients) ...
+            assert all(log[i - 1] == "side<-main" for i, e in enumerate(log) if e == "enter:side")
+            # ... and the main stream joined the side stream after the last one, before end_step.
+            assert "main<-side" in log[last_side:end], (rec["iteration"], log[last_side:end + 1])
+            assert log[end + 1:].count("main<-side") >= 1  # end_step joins again itself
+
+
+def test_sparse_gradient_units_are_never_stable_by_default(dp2_probe):
+    # The word embedding only gets gradient rows for tokens in the batch; frozen between stable
+    # updates it would drop 9 of 10 of them. By default (--grpo-sparse-gradient-tier no-stable)
+    # the planner keeps it out of the stable tier; before, it always landed there.
+    probe, _ = dp2_probe
+    emb = [i for i, n in enumerate(probe["names"]) if "word_embeddings" in n]
+    assert len(emb) == 1
+    tiered = [r for r in probe["ranks"][0] if set(r["tiers"]) != {"c"}]
+    assert tiered and all(r["tiers"][emb[0]] != "s" for r in tiered)
+    assert all("s" in r["tiers"] for r in tiered)  # the stable tier itself is not empty
+
+
+def test_no_overlap_grad_reduce_keeps_the_tier_units(stdlib_data, tmp_path):
+    # megatron builds one bucket without overlap, which made GRPO silently all-core; GRPO's DDP
+    # keeps the buckets and megatron issues each bucket's sync after backward.
+    metrics = tmp_path / "m.jsonl"
+    probe = run_probe(tmp_path, 2, [*SMALL_MODEL, *GRPO_SMALL, "--data-path", stdlib_data,
+                                    "--train-iters", "12", "--eval-iters", "0", "--eval-interval", "12",
+                                    "--no-overlap-grad-reduce", "--metrics-file", str(metrics)])
+    r0, r1 = probe["ranks"]
+    assert len(r0[-1]["tiers"]) >= 5 and {"c", "d", "s"} <= set(r0[-1]["tiers"])
+    assert all(a["digest"] == b["digest"] and a["tiers"] == b["tiers"] for a, b in zip(r0, r1))
+    for rec, m in zip(r0, read_metrics(metrics)):
+        for tier in ("core", "dynamic", "stable"):
+            assert m[f"wire_bytes_{tier}"] == rec["expected"][tier], (rec["iteration"], tier)
+    assert m["wire_bytes_dynamic"] > 0
+

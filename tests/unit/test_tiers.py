@@ -268,3 +268,15 @@ def test_relative_error_exact():
     exact = torch.tensor([3.0, 4.0])
     assert relative_error(torch.tensor([3.0, 1.0]), exact) == 0.6
     assert relative_error(torch.zeros(2), torch.zeros(2)) == 0.0
+
+
+def test_no_stable_buckets_skip_the_stable_fill():
+    planner = TierPlanner(0.2, 0.6, 0.2, 0.1, 0.8)
+    density = [5.0, 4.0, 3.0, 2.0, 1.0]
+    free = planner.plan(density, [10] * 5)
+    assert free.tiers == ["core", "dynamic", "dynamic", "dynamic", "stable"]
+    # Bucket 4 (least dense) holds an embedding table: the next least dense one goes stable.
+    kept = planner.plan(density, [10] * 5, no_stable=[False, False, False, False, True])
+    assert kept.tiers == ["core", "dynamic", "dynamic", "stable", "dynamic"]
+    with pytest.raises(ValueError, match="no_stable"):
+        planner.plan(density, [10] * 5, no_stable=[True])
