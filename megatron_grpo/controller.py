@@ -109,9 +109,8 @@ class GRPOController:
         self.device = torch.device(device)
         self.counter = wire_counter()
         # Under strict mode the counter checks every tensor GRPO hands to these groups.
-        bind = getattr(self.counter, "bind_group_device", lambda group, device: None)  # TEMP
-        bind(dp_group, self.device)
-        bind(plan_group, self.device)
+        self.counter.bind_group_device(dp_group, self.device)
+        self.counter.bind_group_device(plan_group, self.device)
         self.units: List[TierUnit] = []
         self.unit_of_bucket: Dict[int, int] = {}
         stage, stages, tp_size = _pipeline_position()

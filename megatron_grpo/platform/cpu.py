@@ -22,14 +22,26 @@ It is active only when CUDA is unavailable, or when forced (``MEGATRON_GRPO_FORC
 ``enable_cpu_mode(force=True)``). On a CUDA machine without force it changes nothing.
 Enabling is idempotent. It must be enabled before megatron-core builds models or process groups
 (the training entry does this first).
+
+Without transformer-engine and apex (always the case on CPU) megatron-core warns at import time,
+once per module, that it falls back to its local implementations ("Transformer Engine and Apex
+are not installed. Falling back to ...", "Apex is not installed. Falling back to Torch Norm"):
+several lines per rank that say nothing a CPU user can act on. On the CPU path those exact
+messages are filtered (``silence_fallback_warnings``; installed when this module is imported on a
+machine without CUDA or with ``MEGATRON_GRPO_FORCE_CPU`` set, i.e. before megatron is imported,
+and again by ``enable_cpu_mode``), and ``enable_cpu_mode`` prints one line instead. Every other
+warning is left alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
+import sys
 import threading
+import warnings
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -39,6 +51,19 @@ FORCE_ENV = "MEGATRON_GRPO_FORCE_CPU"
 _lock = threading.Lock()
 _active = False
 _mode: "_CudaToCpuMode | None" = None
+
+# megatron-core 0.16.1's import-time notices that transformer-engine / apex are missing (grep
+# "not installed. Falling back" in megatron/core: optimizer/__init__.py, optimizer/optimizer.py,
+# optimizer/clip_grads.py, models/backends.py, models/gpt/gpt_layer_specs.py,
+# distributed/fsdp/.../mixed_precision.py and the other model specs). Matched from the start of
+# the message, only for UserWarnings attributed to megatron.core modules.
+FALLBACK_WARNING_PATTERNS = (
+    r"Transformer Engine and Apex are not installed\. Falling back to ",
+    r"Apex is not installed\. Falling back to Torch Norm",
+)
+_FALLBACK_WARNING_MODULE = r"megatron\.core(\.|$)"
+_fallback_filters_installed = False
+_fallback_notice_printed = False
 
 
 def _to_cpu_device(device):
@@ -127,6 +152,48 @@ def cpu_mode_active() -> bool:
     return _active
 
 
+def silence_fallback_warnings() -> None:
+    """Filter megatron-core's "transformer-engine/apex not installed, falling back" import
+    warnings (exactly ``FALLBACK_WARNING_PATTERNS``). Idempotent. Must run before megatron-core
+    is imported to have an effect (the warnings are issued at import time)."""
+    global _fallback_filters_installed
+    if _fallback_filters_installed:
+        return
+    for pattern in FALLBACK_WARNING_PATTERNS:
+        warnings.filterwarnings("ignore", message=pattern, category=UserWarning,
+                                module=_FALLBACK_WARNING_MODULE)
+    _fallback_filters_installed = True
+
+
+def _missing_accelerator_packages() -> list:
+    return [name for module, name in (("transformer_engine", "transformer-engine"), ("apex", "apex"))
+            if importlib.util.find_spec(module) is None]
+
+
+def _fallback_notice() -> None:
+    """The one line that replaces the filtered warnings (once per process)."""
+    global _fallback_notice_printed
+    if _fallback_notice_printed:
+        return
+    _fallback_notice_printed = True
+    missing = _missing_accelerator_packages()
+    if not missing:
+        return
+    print(f"megatron-grpo CPU mode: {' and '.join(missing)} not installed; megatron-core's local "
+          f"torch fallbacks are in use (norms, optimizers, multi-tensor ops)", file=sys.stderr,
+          flush=True)
+
+
+def _cpu_path_expected() -> bool:
+    """Whether CPU mode will be the platform: forced, or no CUDA (checked without patching)."""
+    if os.environ.get(FORCE_ENV, "") not in ("", "0"):
+        return True
+    try:
+        return not torch.cuda.is_available()
+    except Exception:  # a broken CUDA install: CPU mode is what select_platform will pick
+        return True
+
+
 def enable_cpu_mode(force: bool = False) -> bool:
     """Install the CUDA->CPU emulation. Returns True if CPU mode is (now) active.
 
@@ -140,6 +207,8 @@ def enable_cpu_mode(force: bool = False) -> bool:
         forced = force or os.environ.get(FORCE_ENV, "") not in ("", "0")
         if torch.cuda.is_available() and not forced:
             return False
+        silence_fallback_warnings()   # before _patch_megatron_rng imports megatron
+        _fallback_notice()
         _patch_torch_cuda()
         _patch_megatron_rng()
         _mode = _CudaToCpuMode()
@@ -209,3 +278,9 @@ def _patch_megatron_rng() -> None:
     # Every random op inside tracker.fork() "changes the CPU RNG" here because the CUDA and CPU
     # generators are the same object; megatron warns about it on each op. Expected, so silence it.
     logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
+
+
+# On the CPU path, install the filters as soon as this module is imported: the training entry and
+# examples import megatron_grpo.platform before anything imports megatron-core.
+if _cpu_path_expected():
+    silence_fallback_warnings()

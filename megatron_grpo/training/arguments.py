@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import difflib
 import inspect
 import os
 import typing
@@ -112,16 +113,51 @@ def _coerce(value, tp, where: str):
         raise ConfigError(f"{where}: expected {base.__name__}, got {value!r}") from None
 
 
+def _closest(word: str, candidates, cutoff: float = 0.6) -> Optional[str]:
+    """The candidate most like ``word`` (difflib), or None when nothing is close."""
+    match = difflib.get_close_matches(word, list(candidates), n=1, cutoff=cutoff)
+    return match[0] if match else None
+
+
+def _yaml_error_text(path: str, exc: yaml.YAMLError) -> str:
+    """One line naming file, line and column: ``--config F:LINE:COL: not valid YAML: problem``."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path
+    problem = getattr(exc, "problem", None)
+    if problem:
+        context = getattr(exc, "context", None)
+        cmark = getattr(exc, "context_mark", None)
+        if context and cmark is not None and mark is not None and cmark.line != mark.line:
+            context += f" that starts at line {cmark.line + 1}, column {cmark.column + 1}"
+        what = f"{problem} ({context})" if context else problem
+    else:
+        what = str(exc)
+    return f"--config {where}: not valid YAML: {' '.join(what.split())}"
+
+
+def _key_lines(text: str) -> Dict[str, int]:
+    """1-based line of every top-level key of a YAML mapping (for error messages)."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return {}
+    if not isinstance(node, yaml.MappingNode):
+        return {}
+    return {str(k.value): k.start_mark.line + 1 for k, _ in node.value if isinstance(k, yaml.ScalarNode)}
+
+
 def _apply_yaml(cfg: PretrainConfig, path: str) -> None:
     if not os.path.isfile(path):
         raise ConfigError(f"--config: file not found: {path}")
     with open(path) as fh:
-        try:
-            data = yaml.safe_load(fh) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"--config {path}: not valid YAML: {exc}") from None
+        text = fh.read()
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(_yaml_error_text(path, exc)) from None
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: top level must be a mapping of flag names to values")
+    lines = _key_lines(text)
     index = {}
     for section, sub, prefix in _sections(cfg):
         for f in dataclasses.fields(sub):
@@ -129,13 +165,38 @@ def _apply_yaml(cfg: PretrainConfig, path: str) -> None:
             index[flag[2:].replace("-", "_")] = (section, sub, f)
     hints_cache: Dict[type, dict] = {}
     for key, value in data.items():
+        where = f"{path}:{lines[str(key)]}" if str(key) in lines else path
         norm = str(key).replace("-", "_")
         if norm not in index:
-            raise ConfigError(f"--config {path}: unknown setting '{key}' (flag "
-                              f"{flag_name(norm)} does not exist; see --help)")
+            close = _closest(norm, index)
+            hint = ";"
+            if close is not None:
+                # Suggest in the file's own spelling (hyphens or underscores).
+                hint = f"; did you mean '{close if '_' in str(key) else close.replace('_', '-')}'?"
+            raise ConfigError(f"--config {where}: unknown setting '{key}' (flag "
+                              f"{flag_name(norm)} does not exist{hint} see --help)")
         section, sub, f = index[norm]
         hints = hints_cache.setdefault(type(sub), typing.get_type_hints(type(sub)))
-        setattr(sub, f.name, _coerce(value, hints[f.name], f"--config {path}: '{key}'"))
+        setattr(sub, f.name, _coerce(value, hints[f.name], f"--config {where}: '{key}'"))
+
+
+def _unknown_flags_text(parser: argparse.ArgumentParser, unknown: Sequence[str]) -> str:
+    """``unknown flag(s): ...`` with the closest valid flag for each unknown one."""
+    known = [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
+    hints = []
+    for token in unknown:
+        if not token.startswith("--"):
+            continue  # a value that followed an unknown flag
+        name = token.split("=", 1)[0]
+        close = _closest(name, known)
+        if close is not None:
+            hints.append((name, close))
+    text = f"unknown flag(s): {' '.join(unknown)}"
+    if len(hints) == 1:
+        text += f"; did you mean {hints[0][1]}?"
+    elif hints:
+        text += "; did you mean " + ", ".join(f"{c} for {n}" for n, c in hints) + "?"
+    return text + " (see --help for accepted flags)"
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, cfg: Optional[PretrainConfig] = None,
@@ -145,7 +206,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, cfg: Optional[PretrainConfi
     parser = build_parser(cfg)
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        raise ConfigError(f"unknown flag(s): {' '.join(unknown)} (see --help for accepted flags)")
+        raise ConfigError(_unknown_flags_text(parser, unknown))
     if args.config:
         _apply_yaml(cfg, args.config)
     for dest, value in vars(args).items():

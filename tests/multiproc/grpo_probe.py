@@ -41,6 +41,44 @@ def _signflip_class():
     return SignFlipInt4
 
 
+def install_strict_devices(old_bug: bool) -> None:
+    """Strict wire counter + default device 'meta' around every GRPO entry point that issues
+    collectives. On these CPU machines host and "device" tensors are both CPU tensors, so a
+    tensor created without device= (fine on gloo, refused by NCCL) is invisible; with meta as
+    the default device it becomes a meta tensor, which the strict counter refuses by name."""
+    import functools
+
+    from megatron_grpo.comm.wire import wire_counter
+    from megatron_grpo.controller import GRPOController
+    from megatron_grpo.megatron.bucket_group import GRPOBucketGroup
+    from megatron_grpo.megatron.optimizer import GRPODistributedOptimizer
+
+    wire_counter().set_strict(True)
+
+    def on_meta(fn):
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            with torch.device("meta"):
+                return fn(*args, **kwargs)
+        return wrapped
+
+    for cls, names in ((GRPOController, ("begin_step", "end_step")),
+                       (GRPOBucketGroup, ("start_grad_sync", "finish_grad_sync", "start_param_sync")),
+                       (GRPODistributedOptimizer, ("prepare_grads",))):
+        for name in names:
+            setattr(cls, name, on_meta(getattr(cls, name)))
+    if old_bug:
+        import torch.distributed as dist
+
+        from megatron_grpo.replica import ReplicaLayout
+
+        def old_sum(self, local_rows):  # what _finish_gvr did: a vector made without device=
+            full = torch.zeros((self.num_global,) + tuple(local_rows.shape[1:]), dtype=local_rows.dtype)
+            dist.all_reduce(full, group=self.group)
+            return full
+        ReplicaLayout.sum_over_replica = old_sum
+
+
 def install_fake_streams(ctrl, log):
     """Give the controller a recording stand-in for its CUDA side stream, so a CPU run shows
     where the GPU path would enqueue work on it and where the main stream joins it again."""
@@ -89,6 +127,11 @@ def main():
     out_path, argv = sys.argv[1], sys.argv[2:]
     damaging = "--probe-signflip-compressor" in argv  # a compressor that must be caught
     argv = [a for a in argv if a != "--probe-signflip-compressor"]
+    strict = "--probe-strict-devices" in argv  # tensors made without device= become meta
+    old_bug = "--probe-old-gvr-bug" in argv    # the earlier GVR vector: a host tensor
+    argv = [a for a in argv if a not in ("--probe-strict-devices", "--probe-old-gvr-bug")]
+    if strict:
+        install_strict_devices(old_bug)
     fake_streams = "--probe-fake-streams" in argv  # record side-stream use and joins (CPU)
     argv = [a for a in argv if a != "--probe-fake-streams"]
     inject = None  # --probe-inf ITER:TIER puts one Inf into a gradient of that tier on rank 1

@@ -352,3 +352,30 @@ def test_no_overlap_grad_reduce_keeps_the_tier_units(stdlib_data, tmp_path):
             assert m[f"wire_bytes_{tier}"] == rec["expected"][tier], (rec["iteration"], tier)
     assert m["wire_bytes_dynamic"] > 0
 
+
+@pytest.mark.parametrize("layout", [[], ["--tensor-model-parallel-size", "2"]])
+def test_grpo_collectives_use_the_group_device(stdlib_data, tmp_path, layout):
+    # NCCL refuses a host tensor ("No backend type associated with device type cpu"), but on
+    # these CPU machines host and device tensors look the same. The probe makes 'meta' the
+    # default device inside every GRPO entry point and turns on the counter's strict mode: a
+    # tensor created without device= becomes meta and any collective handed one raises. A run
+    # through tiering, health checks and stable updates must not trip it.
+    nproc = 4 if layout else 2
+    metrics = tmp_path / "m.jsonl"
+    probe = run_probe(tmp_path, nproc, [*SMALL_MODEL, *GRPO_SMALL, *layout, "--data-path", stdlib_data,
+                                        "--train-iters", "13", "--eval-iters", "0", "--eval-interval", "13",
+                                        "--probe-strict-devices", "--metrics-file", str(metrics)])
+    m = read_metrics(metrics)
+    assert "grpo_rel_error_dynamic" in m[11] and "d" in probe["ranks"][0][-1]["tiers"]
+
+
+def test_strict_devices_catch_a_host_tensor(stdlib_data, tmp_path):
+    # The same check on the earlier code's bug: a vector made without device= all-reduced over
+    # the job (as _finish_gvr did with the GVR vector) is refused by name, on every rank.
+    with pytest.raises(AssertionError) as failed:
+        run_probe(tmp_path, 2, [*SMALL_MODEL, *GRPO_SMALL, "--data-path", stdlib_data,
+                                "--train-iters", "13", "--eval-iters", "0", "--eval-interval", "13",
+                                "--probe-strict-devices", "--probe-old-gvr-bug"])
+    text = str(failed.value)
+    assert "CollectiveDeviceError" in text and "all_reduce" in text and "meta" in text
+

@@ -79,7 +79,7 @@ def test_missing_data_path_and_yaml_errors(tmp_path):
         parse_args([])
     bad = tmp_path / "bad.yaml"
     bad.write_text("num_layerz: 2\n")
-    with pytest.raises(ConfigError, match=r"bad.yaml: unknown setting 'num_layerz' \(flag --num-layerz does not exist"):
+    with pytest.raises(ConfigError, match=r"bad.yaml:1: unknown setting 'num_layerz' \(flag --num-layerz does not exist"):
         parse_args(["--config", str(bad), *DATA])
     wrong_type = tmp_path / "t.yaml"
     wrong_type.write_text("num-layers: two\n")
@@ -87,3 +87,54 @@ def test_missing_data_path_and_yaml_errors(tmp_path):
         parse_args(["--config", str(wrong_type), *DATA])
     with pytest.raises(ConfigError, match="--config: file not found: nope.yaml"):
         parse_args(["--config", "nope.yaml", *DATA])
+
+
+def test_broken_yaml_names_file_line_and_column_in_one_line(tmp_path):
+    bad = tmp_path / "broken.yaml"
+    bad.write_text("num-layers: 2\nhidden-size: 64\n  lr: 0.1\n")    # indented key: not a mapping
+    with pytest.raises(ConfigError) as err:
+        parse_args(["--config", str(bad), *DATA])
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert msg == f"--config {bad}:3:5: not valid YAML: mapping values are not allowed here"
+    # A problem found after the line that opened it names both.
+    unclosed = tmp_path / "unclosed.yaml"
+    unclosed.write_text("num-layers: 2\nsplit: [98, 2\nlr: 0.1\n")
+    with pytest.raises(ConfigError) as err:
+        parse_args(["--config", str(unclosed), *DATA])
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(f"--config {unclosed}:3:3: not valid YAML: ")
+    assert "flow sequence that starts at line 2, column 8" in msg
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-layer", "2"], "unknown flag(s): --num-layer 2; did you mean --num-layers? "
+                           "(see --help for accepted flags)"),
+    (["--grpo-stabel-interval", "3"], "did you mean --grpo-stable-interval?"),
+    (["--hiden-size=64"], "unknown flag(s): --hiden-size=64; did you mean --hidden-size?"),
+    (["--no-grp"], "did you mean --no-grpo?"),
+    (["--num-layer", "2", "--lrr", "0.1"], "did you mean --num-layers for --num-layer, --lr for --lrr?"),
+    (["--xyzzy"], "unknown flag(s): --xyzzy (see --help for accepted flags)"),   # nothing close
+])
+def test_unknown_flag_suggests_the_closest(argv, message):
+    with pytest.raises(ConfigError) as err:
+        parse_args([*argv, *DATA])
+    assert message in str(err.value)
+
+
+def test_unknown_yaml_key_suggests_the_closest_in_the_files_spelling(tmp_path):
+    cases = {"hiden-size: 64\n": "'hiden-size' (flag --hiden-size does not exist; did you mean 'hidden-size'?",
+             "lr: 0.1\ngrpo_stabel_interval: 3\n": "'grpo_stabel_interval' (flag --grpo-stabel-interval does "
+                                                  "not exist; did you mean 'grpo_stable_interval'?",
+             "zzzzqq: 1\n": "'zzzzqq' (flag --zzzzqq does not exist; see --help)"}
+    for i, (text, message) in enumerate(cases.items()):
+        f = tmp_path / f"k{i}.yaml"
+        f.write_text(text)
+        with pytest.raises(ConfigError) as err:
+            parse_args(["--config", str(f), *DATA])
+        line = text.count("\n")   # the unknown key is on the last line
+        assert f"--config {f}:{line}: unknown setting {message}" in str(err.value)
+    wrong_type = tmp_path / "t.yaml"
+    wrong_type.write_text("seed: 1\nnum-layers: two\n")
+    with pytest.raises(ConfigError, match=r"t.yaml:2: 'num-layers': expected int, got 'two'"):
+        parse_args(["--config", str(wrong_type), *DATA])

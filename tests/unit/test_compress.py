@@ -235,3 +235,199 @@ def test_errors_name_arguments():
     with pytest.raises(ValueError, match="drop"):
         ef.compress(0, torch.zeros(12), c, 2)
     assert isinstance(c, Compressor) and c.name == "int4" and math.isclose(c.ratio(256), 256 / 33)
+
+
+# ---- batched rows: compress_rows / decompress_rows / decompress_rows_sum ----------------------
+
+# (name, chunk, topk ratio): odd chunks exercise the int4 pair padding past a whole last chunk.
+ROW_SETTINGS = [("int4", 256, 0.05), ("int4", 7, 0.05), ("int4", 3, 0.05), ("int8", 256, 0.05),
+                ("int8", 7, 0.05), ("topk", 256, 0.05), ("topk", 256, 0.3), ("topk", 256, 1.0)]
+# (R, N): N = 1, N < chunk, N % chunk != 0, whole chunks; R = 1 and R = 64.
+ROW_SHAPES = [(1, 1), (64, 1), (1, 257), (64, 79), (64, 256), (3, 1000), (5, 9), (2, 13)]
+
+
+def _random_shapes(count=6, seed=11):
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randint(1, 65, (count,), generator=g).tolist()
+    cols = torch.randint(1, 700, (count,), generator=g).tolist()
+    return list(zip(rows, cols))
+
+
+def _rows(r, n, seed):
+    # Rows of very different magnitudes, so chunk scales and top-k picks differ per row.
+    return _randn(r * n, seed=seed).view(r, n) * torch.logspace(-2, 2, r).unsqueeze(1)
+
+
+def _bits(t):
+    return t.view(torch.int32)  # compare fp32 bit patterns (NaN payloads, -0.0)
+
+
+def _sequential_sum(c, payload2d, n):
+    out = torch.zeros(n)
+    for r in range(payload2d.shape[0]):
+        c.decompress(payload2d[r], n, out=out, accumulate=True)
+    return out
+
+
+@pytest.mark.parametrize("name, chunk, ratio", ROW_SETTINGS)
+@pytest.mark.parametrize("shape", ROW_SHAPES + _random_shapes())
+def test_rows_match_single_rows(name, chunk, ratio, shape):
+    r, n = shape
+    c = build_compressor(name, chunk, ratio)
+    x = _rows(r, n, seed=r * 1000 + n)
+    p = c.compress_rows(x)
+    assert p.dtype == torch.uint8 and p.shape == (r, c.payload_bytes(n)) and p.is_contiguous()
+    for i in range(r):
+        assert torch.equal(p[i], c.compress(x[i])), i
+    d = c.decompress_rows(p, n)
+    assert d.dtype == torch.float32 and d.shape == (r, n) and d.is_contiguous()
+    for i in range(r):
+        assert torch.equal(_bits(d[i]), _bits(c.decompress(p[i], n))), i
+    # The flat buffer of R payloads (what all_to_all sends) decodes the same as a [R, P] view.
+    flat = torch.cat([c.compress(x[i]) for i in range(r)])
+    assert torch.equal(flat, p.view(-1))
+
+
+@pytest.mark.parametrize("name, chunk, ratio", ROW_SETTINGS)
+@pytest.mark.parametrize("shape", ROW_SHAPES + _random_shapes())
+def test_rows_sum_close_to_sequential_and_deterministic(name, chunk, ratio, shape):
+    r, n = shape
+    c = build_compressor(name, chunk, ratio)
+    p = c.compress_rows(_randn(r * n, seed=7 * r + n).view(r, n))
+    s = c.decompress_rows_sum(p, n)
+    assert s.dtype == torch.float32 and s.shape == (n,)
+    seq = _sequential_sum(c, p, n)
+    decoded = c.decompress_rows(p, n).double()
+    exact = decoded.sum(dim=0)
+    assert float((s.double() - seq.double()).norm()) <= 1e-6 * float(seq.double().norm()) + 1e-30
+    # Element-wise: both fp32 sums are within a few ulp of sum |v| of the float64 sum.
+    bound = 1e-6 * decoded.abs().sum(dim=0)
+    assert bool(((s.double() - exact).abs() <= bound).all())
+    assert torch.equal(_bits(s), _bits(c.decompress_rows_sum(p, n)))  # run to run
+    out = torch.full((n,), 123.0)
+    assert c.decompress_rows_sum(p, n, out=out) is out  # overwritten, not added to
+    assert torch.equal(_bits(out), _bits(s))
+    if r == 1:
+        assert torch.equal(_bits(s), _bits(c.decompress(p[0], n)))
+
+
+def test_rows_sum_documented_order():
+    c = Int8Compressor(256)
+    n = 500
+    scales = torch.tensor([1e3, 1.0, -1e-3, 7.0, 1e-5]).unsqueeze(1)
+    p = c.compress_rows(_randn(5 * n, seed=12).view(5, n) * scales)
+    v = [c.decompress(p[i], n) for i in range(5)]
+    # R=5: h=3, rows 0,1 += rows 3,4; R=3: h=2, row 0 += row 2; R=2: row 0 + row 1.
+    expected = ((v[0] + v[3]) + v[2]) + (v[1] + v[4])
+    assert torch.equal(_bits(c.decompress_rows_sum(p, n)), _bits(expected))
+    assert torch.equal(_bits(c.decompress_rows_sum(p[:2], n)), _bits(v[0] + v[1]))
+    assert torch.equal(_bits(c.decompress_rows_sum(p[:4], n)), _bits((v[0] + v[2]) + (v[1] + v[3])))
+
+
+@pytest.mark.parametrize("name", COMPRESSOR_NAMES)
+def test_rows_nonfinite_and_ties_match_single_rows(name):
+    c = build_compressor(name, 16, 0.1)
+    r, n = 6, 100
+    x = _randn(r * n, seed=13).view(r, n)
+    x[0, 3] = float("nan")
+    x[1, 40] = float("inf")
+    x[2, 99] = -float("inf")
+    x[3, ::3] = 2.5  # ties in |x| for top-k
+    x[4, 10:20] = -2.5
+    x[5] = 0.0
+    p = c.compress_rows(x)
+    d = c.decompress_rows(p, n)
+    for i in range(r):
+        assert torch.equal(p[i], c.compress(x[i])), i
+        assert torch.equal(_bits(d[i]), _bits(c.decompress(p[i], n))), i
+    if name != "topk":  # a chunk holding NaN or inf decodes to all NaN; other chunks finite
+        assert bool(d[0, :16].isnan().all()) and bool(d[1, 32:48].isnan().all())
+        assert bool(d[2, 96:].isnan().all()) and bool(d[0, 16:].isfinite().all())
+    assert torch.equal(d[5], torch.zeros(n))
+
+
+def test_rows_accept_noncontiguous_and_misaligned():
+    c = Int4Compressor(256)
+    x = _randn(300 * 4, seed=14).view(300, 4).t()  # [4, 300], not contiguous
+    p = c.compress_rows(x)
+    assert torch.equal(p, c.compress_rows(x.contiguous()))
+    buf = torch.empty(p.numel() + 1, dtype=torch.uint8)
+    buf[1:] = p.view(-1)
+    shifted = buf[1:].view(4, -1)  # scales no longer 4-byte aligned: read through a copy
+    assert torch.equal(c.decompress_rows(shifted, 300), c.decompress_rows(p, 300))
+    assert torch.equal(c.decompress_rows_sum(shifted, 300), c.decompress_rows_sum(p, 300))
+
+
+@pytest.mark.parametrize("name", COMPRESSOR_NAMES)
+def test_rows_replace_error_feedback_loop_exactly(name):
+    # The batched residual update c -= D(C(c)) on the [dp, N] view gives what ErrorFeedback's
+    # per-shard loop gives, byte for byte and bit for bit.
+    c = build_compressor(name, 256, 0.05)
+    ef, dp, n = ErrorFeedback(), 8, 8 * 300
+    residual = torch.zeros(n)
+    for t in range(3):
+        g = _randn(n, seed=300 + t)
+        loop = ef.compress("b", g, c, dp)
+        residual.add_(g)
+        view = residual.view(dp, -1)
+        rows = c.compress_rows(view)
+        view.sub_(c.decompress_rows(rows, n // dp))
+        assert all(torch.equal(rows[i], loop[i]) for i in range(dp))
+        assert torch.equal(_bits(residual), _bits(ef.residual("b")))
+
+
+def _aten_ops(fn):
+    from torch.profiler import profile
+    with profile() as prof:
+        fn()
+    return sorted((e.key, e.count) for e in prof.key_averages() if e.key.startswith("aten::"))
+
+
+@pytest.mark.parametrize("name", COMPRESSOR_NAMES)
+def test_rows_op_count_independent_of_rows(name):
+    c = build_compressor(name, 256, 0.05)
+    n = 79
+    small, big = _randn(2 * n, seed=15).view(2, n), _randn(64 * n, seed=16).view(64, n)
+    ps, pb = c.compress_rows(small), c.compress_rows(big)
+    assert _aten_ops(lambda: c.compress_rows(small)) == _aten_ops(lambda: c.compress_rows(big))
+    assert _aten_ops(lambda: c.decompress_rows(ps, n)) == \
+        _aten_ops(lambda: c.decompress_rows(pb, n))
+    # The sum adds one in-place add per halving: ceil(log2 64) - 1 = 5 more than for R = 2.
+    adds = lambda ops: dict(ops).get("aten::add_", 0)  # noqa: E731
+    assert adds(_aten_ops(lambda: c.decompress_rows_sum(pb, n))) == 5
+    assert adds(_aten_ops(lambda: c.decompress_rows_sum(ps, n))) == 0
+
+
+def test_rows_errors_name_arguments():
+    c = Int4Compressor(256)
+    with pytest.raises(ValueError, match=r"compress_rows: x2d must be a 2-D torch.float32"):
+        c.compress_rows(torch.zeros(8))
+    with pytest.raises(ValueError, match=r"x2d must be a 2-D torch.float32 .*float16"):
+        c.compress_rows(torch.zeros(2, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"x2d must be a 2-D"):
+        c.compress_rows([[1.0]])
+    for shape in ((0, 8), (3, 0)):
+        with pytest.raises(ValueError, match=r"at least 1 row and 1 column, got shape"):
+            c.compress_rows(torch.zeros(shape))
+    p = c.compress_rows(torch.ones(3, 256))
+    with pytest.raises(ValueError, match=r"decompress_rows: payload2d must be a 2-D torch.uint8 "
+                                         r"tensor \[R >= 1, 132\]"):
+        c.decompress_rows(p[:, :131], 256)
+    with pytest.raises(ValueError, match=r"payload2d must be a 2-D .* got torch.uint8 with "
+                                         r"shape \(396,\)"):
+        c.decompress_rows(p.view(-1), 256)
+    with pytest.raises(ValueError, match=r"payload2d .* got torch.int8"):
+        c.decompress_rows(p.view(torch.int8), 256)
+    with pytest.raises(ValueError, match=r"payload2d .*\(0, 132\)"):
+        c.decompress_rows(p[:0], 256)
+    with pytest.raises(ValueError, match=r"decompress_rows: numel must be a positive int"):
+        c.decompress_rows(p, 0)
+    with pytest.raises(ValueError, match=r"decompress_rows_sum: payload2d .*132"):
+        c.decompress_rows_sum(p[:, :8], 256)
+    with pytest.raises(ValueError, match=r"decompress_rows_sum: out must be a 1-D "
+                                         r"torch.float32 tensor of 256"):
+        c.decompress_rows_sum(p, 256, out=torch.zeros(255))
+    with pytest.raises(ValueError, match=r"out must be .* got torch.float64"):
+        c.decompress_rows_sum(p, 256, out=torch.zeros(256, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"topk: numel must be < 2\*\*31"):
+        TopKCompressor(0.05).decompress_rows(torch.zeros(1, 8, dtype=torch.uint8), 2 ** 31)
