@@ -1,4 +1,4 @@
-"""Gradient / update compressors for the dynamic tier, and the error-feedback residuals.
+"""Gradient / update compressors of the dynamic tier (error feedback: comm/error_feedback.py).
 
 A dynamic bucket's fp32 gradient is split into dp equal shards and every shard is compressed on
 its own into a flat ``torch.uint8`` payload. The payload size is a function of the shard length
@@ -25,22 +25,23 @@ updates rely on (``model_copy += D(q)`` on all ranks).
 
 Batched rows: a bucket is dp shards of equal length, i.e. a [dp, N] view, and its payloads are
 a [dp, P] view of the send / receive buffer. ``compress_rows`` / ``decompress_rows`` /
-``decompress_rows_sum`` handle all R rows with a fixed number of tensor ops (the sum: one add
-per halving, ceil(log2 R)), so host overhead per bucket no longer grows with dp; a per-shard
-Python loop costs ~14 ops per shard (3.4 ms per bucket at dp=8, 260 ms at dp=512). ``compress`` and
+``decompress_rows_sum`` handle R rows with a fixed number of tensor ops per block of rows (the
+sum adds one op per level of a pairwise tree, ceil(log2 R)). Blocks hold up to 4 Mi elements
+(_BLOCK_ELEMS), so a bucket has about bucket / 2-4 Mi of them whatever dp is, and one for small
+buckets: host overhead per bucket no longer grows with dp, where the per-shard Python loop
+(~14 ops per shard) cost 3.4 ms per bucket at dp=8 and 260 ms at dp=512. ``compress`` and
 ``decompress`` are the R = 1 case of the same code, so a row of a batch is byte-identical to
-the shard compressed alone (see TopKCompressor for the one CUDA caveat). Price: temporaries
-are sized for the whole [R, N] block (about one bucket of fp32) instead of one shard.
+the shard compressed alone (see TopKCompressor for the one CUDA caveat).
 
-Only torch ops on the input's device are used (no Python loop over elements or rows), so the
-same code runs on CPU and CUDA tensors.
+Only torch ops on the input's device are used (no Python loop over elements, nor over rows
+within a block), so the same code runs on CPU and CUDA tensors.
 """
 
 from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import Dict, Hashable, List, Optional
+from typing import List, Optional
 
 import torch
 
@@ -67,19 +68,35 @@ def _describe(t) -> str:
     return f"{getattr(t, 'dtype', type(t).__name__)} with shape {tuple(getattr(t, 'shape', ()))}"
 
 
-def _sum_rows_(values: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
-    """Sum the rows of ``values`` [R, N] (clobbered) by pairwise halving (decompress_rows_sum)."""
-    rows = values.shape[0]
-    while rows > 2:
-        half = (rows + 1) // 2
-        # Rows [half, rows) fold onto rows [0, rows - half); with rows odd, row half-1 waits.
-        values[:rows - half].add_(values[half:rows])
-        rows = half
-    if out is None:
-        return values[0] + values[1] if rows == 2 else values[0].clone()
-    if rows == 2:
-        return torch.add(values[0], values[1], out=out)
-    return out.copy_(values[0])
+# Rows are processed in blocks of at most this many elements (but at least one row, and a power
+# of 2 rows). A bucket-sized fp32 temporary on the CPU is a fresh mmap from glibc on every call
+# (it is above the 32 MiB ceiling of malloc's adaptive mmap threshold), and its page faults cost
+# more than the per-shard loop saved (128 MiB int4 at dp=8, unblocked: 42,600 page faults per
+# compress_rows, error-feedback step 145 ms against 83 ms for the shard loop). At 16 MiB the
+# temporaries are reused heap. A block holds 2 to 4 Mi elements (or one longer row, or all rows
+# of a smaller input), so a bucket takes bucket / 2-4 Mi blocks whatever dp is, and per-block op
+# overhead (~0.1 ms) stays small against the work; a 40,000-element bucket is one block.
+_BLOCK_ELEMS = 1 << 22
+
+
+def _row_blocks(rows: int, numel: int) -> List[slice]:
+    """Consecutive row slices of 2**k rows each (the last may be shorter), 2**k * numel
+    <= _BLOCK_ELEMS or k = 0. Power-of-2 blocks start at multiples of their size, so they are
+    whole subtrees of the pairwise sum (see decompress_rows_sum)."""
+    step = 1 << max(0, (_BLOCK_ELEMS // numel).bit_length() - 1)
+    return [slice(r, min(r + step, rows)) for r in range(0, rows, step)]
+
+
+def _pairwise_rows_(values: torch.Tensor) -> torch.Tensor:
+    """Pairwise sum of the rows of ``values`` [R, N] in row order, in place: adjacent rows
+    added, an odd last row carried, until one row is left; returns the view of row 0. One add
+    per level: even rows += odd rows, then the even rows (an odd last row is one of them) are
+    the next level, as a strided view, so nothing is allocated or copied."""
+    while values.shape[0] > 1:
+        pairs = values.shape[0] // 2
+        values[0:2 * pairs:2].add_(values[1:2 * pairs:2])
+        values = values[0::2]
+    return values[0]
 
 
 class Compressor(ABC):
@@ -98,8 +115,9 @@ class Compressor(ABC):
         contiguous ``x2d`` [R, N], each row on its own."""
 
     @abstractmethod
-    def _decode_rows(self, payload2d: torch.Tensor, numel: int) -> torch.Tensor:
-        """Return a new contiguous fp32 [R, numel] tensor of the rows' decoded values."""
+    def _decode_rows(self, payload2d: torch.Tensor, numel: int,
+                     out2d: torch.Tensor) -> torch.Tensor:
+        """Write the rows' decoded values into ``out2d`` (contiguous fp32 [R, numel]); return it."""
 
     # -- validation (shared by the 1-D and the batched entry points) --------------------------
 
@@ -116,11 +134,18 @@ class Compressor(ABC):
                              f"{self.name} with numel={numel}, got {_describe(payload)}")
 
     @staticmethod
-    def _check_out(fn: str, out: Optional[torch.Tensor], numel: int, device: torch.device) -> None:
-        if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != torch.float32
-                                or out.dim() != 1 or out.numel() != numel or out.device != device):
-            raise ValueError(f"{fn}: out must be a 1-D torch.float32 tensor of {numel} elements "
-                             f"on {device}, got {_describe(out)} on {getattr(out, 'device', None)}")
+    def _check_out(fn: str, out: Optional[torch.Tensor], numel: int, device: torch.device,
+                   rows: Optional[int] = None) -> None:
+        if out is None:
+            return
+        shape = (numel,) if rows is None else (rows, numel)
+        if (not isinstance(out, torch.Tensor) or out.dtype != torch.float32
+                or tuple(out.shape) != shape or out.device != device
+                or (rows is not None and not out.is_contiguous())):
+            want = f"1-D torch.float32 tensor of {numel} elements" if rows is None else \
+                f"contiguous torch.float32 tensor of shape {shape}"
+            raise ValueError(f"{fn}: out must be a {want} on {device}, got {_describe(out)} on "
+                             f"{getattr(out, 'device', None)}")
 
     # -- one tensor -------------------------------------------------------------------------
 
@@ -142,7 +167,11 @@ class Compressor(ABC):
         if accumulate and out is None:
             raise ValueError("decompress: accumulate=True needs out= (the tensor to add into)")
         self._check_out("decompress", out, numel, payload.device)
-        values = self._decode_rows(payload.view(1, -1), numel).view(-1)
+        if out is not None and not accumulate and out.is_contiguous():
+            self._decode_rows(payload.view(1, -1), numel, out.view(1, -1))
+            return out
+        values = torch.empty((1, numel), dtype=torch.float32, device=payload.device)
+        values = self._decode_rows(payload.view(1, -1), numel, values).view(-1)
         if out is None:
             return values
         # Decoding into a temporary and then adding keeps ``out + D(q)`` bit-identical to adding
@@ -170,15 +199,25 @@ class Compressor(ABC):
         x2d = x2d.contiguous()
         payload2d = torch.empty((rows, self.payload_bytes(numel)), dtype=torch.uint8,
                                 device=x2d.device)
-        self._encode_rows(x2d, payload2d)
+        for block in _row_blocks(rows, numel):
+            self._encode_rows(x2d[block], payload2d[block])
         return payload2d
 
-    def decompress_rows(self, payload2d: torch.Tensor, numel: int) -> torch.Tensor:
+    def decompress_rows(self, payload2d: torch.Tensor, numel: int,
+                        out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Decode every row of ``payload2d`` (2-D uint8 [R, payload_bytes(numel)], e.g. a
-        ``.view(R, -1)`` of a receive buffer) to a new contiguous float32 [R, numel]; row r is
-        bit-identical to ``decompress(payload2d[r], numel)``."""
+        ``.view(R, -1)`` of a receive buffer) to float32 [R, numel]: a new contiguous tensor, or
+        ``out`` (contiguous float32 [R, numel], overwritten; a reused workspace saves the page
+        faults of a fresh bucket-sized tensor on the CPU). Row r is bit-identical to
+        ``decompress(payload2d[r], numel)``."""
         self._check_payload("decompress_rows", payload2d, numel, 2)
-        return self._decode_rows(payload2d, numel)
+        rows = payload2d.shape[0]
+        self._check_out("decompress_rows", out, numel, payload2d.device, rows)
+        if out is None:
+            out = torch.empty((rows, numel), dtype=torch.float32, device=payload2d.device)
+        for block in _row_blocks(rows, numel):
+            self._decode_rows(payload2d[block], numel, out[block])
+        return out
 
     def decompress_rows_sum(self, payload2d: torch.Tensor, numel: int,
                             out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -186,18 +225,53 @@ class Compressor(ABC):
         [numel], written into ``out`` (overwritten, not added to) when given. This is a
         reduce-scatter receiver's step: R = dp payloads for its own shard.
 
-        Summation order (fixed, element-wise, so identical run to run, for any thread count
-        and on CPU and CUDA alike): pairwise halving. With R rows and h = ceil(R / 2), rows
-        [h, R) are added onto rows [0, R - h) (row i += row i + h; with R odd, row h - 1
-        waits), then the same on the first h rows, until one row is left; e.g. R = 4 gives
-        (v0 + v2) + (v1 + v3). R = 1 returns v0 exactly, R = 2 v0 + v1. This is not the
-        sequential ((v0 + v1) + v2) + ..., so the result may differ from a row-by-row
-        ``decompress(..., accumulate=True)`` loop in the last bits (pairwise rounding error
-        grows with log2 R instead of R). Needs a temporary of R * numel fp32.
+        Summation order (fixed, element-wise adds only, so identical run to run, for any
+        thread count and on CPU and CUDA alike): pairwise over rows in row order. Adjacent
+        rows are added (v0 + v1, v2 + v3, ...), an odd last row is carried to the next level
+        unchanged, and so on until one row is left: R = 3 gives (v0 + v1) + v2, R = 4
+        (v0 + v1) + (v2 + v3), R = 5 ((v0 + v1) + (v2 + v3)) + v4; R = 1 returns v0 exactly.
+        Rows are decoded in blocks of 2**k rows (bounded temporaries); such blocks are whole
+        subtrees and their sums are merged like a binary counter, which is the same tree, so
+        blocking never changes the result. This is not the sequential ((v0 + v1) + v2) + ...,
+        so the result may differ from a row-by-row ``decompress(..., accumulate=True)`` loop
+        in the last bits (pairwise rounding error grows with log2 R instead of R).
         """
         self._check_payload("decompress_rows_sum", payload2d, numel, 2)
         self._check_out("decompress_rows_sum", out, numel, payload2d.device)
-        return _sum_rows_(self._decode_rows(payload2d, numel), out)
+        rows, device = payload2d.shape[0], payload2d.device
+        blocks = _row_blocks(rows, numel)
+        step = blocks[0].stop
+        work = torch.empty((step, numel), dtype=torch.float32, device=device) if step > 1 else None
+        spare: List[torch.Tensor] = []  # freed [numel] partials, reused: few live buffers
+
+        def fresh() -> torch.Tensor:
+            return spare.pop() if spare else torch.empty(numel, dtype=torch.float32, device=device)
+
+        # (level, partial sum) of whole subtrees, levels strictly decreasing: merging the top
+        # two whenever they are equal, then right to left at the end, rebuilds the global tree
+        # (a short last block has a lower level than every full one, so it only merges last).
+        # Merges add in place into the left partial (a + b is commutative in IEEE arithmetic).
+        stack: List[tuple] = []
+        for block in blocks:
+            n_rows = block.stop - block.start
+            if n_rows == 1:  # its sum is its decoded row
+                part = self._decode_rows(payload2d[block], numel, fresh().view(1, numel))[0]
+            else:
+                part = _pairwise_rows_(self._decode_rows(payload2d[block], numel, work[:n_rows]))
+                if len(blocks) > 1:  # the next block reuses work
+                    part = fresh().copy_(part)
+            level = n_rows.bit_length() - 1  # exact for every block but a short last one
+            while stack and stack[-1][0] == level:
+                left = stack.pop()[1]
+                spare.append(part)
+                level, part = level + 1, left.add_(part)
+            stack.append((level, part))
+        total = stack.pop()[1]
+        while stack:
+            total = stack.pop()[1].add_(total)
+        if out is not None:
+            return out.copy_(total)
+        return total.clone() if work is not None and len(blocks) == 1 else total
 
     def ratio(self, numel: int) -> float:
         """fp32 bytes over payload bytes for ``numel`` elements."""
@@ -291,7 +365,8 @@ class _ChunkQuantizer(Compressor):
         torch.bitwise_and(pairs[:, :, 0], 15, out=dst)
         dst.bitwise_or_(pairs[:, :, 1] << 4)
 
-    def _decode_rows(self, payload2d: torch.Tensor, numel: int) -> torch.Tensor:
+    def _decode_rows(self, payload2d: torch.Tensor, numel: int,
+                     out2d: torch.Tensor) -> torch.Tensor:
         rows, chunk = payload2d.shape[0], self.chunk
         n_chunks = -(-numel // chunk)
         start, n_code_bytes = 4 * n_chunks, self._code_bytes(numel)
@@ -306,15 +381,17 @@ class _ChunkQuantizer(Compressor):
             torch.bitwise_and(raw, 15, out=codes[:, :, 0])
             torch.bitwise_right_shift(raw, 4, out=codes[:, :, 1])
             q = codes.sub_(self.offset).view(rows, 2 * n_code_bytes)[:, :numel]
-        values = torch.empty((rows, numel), dtype=torch.float32, device=payload2d.device)
+        values = out2d
         values.copy_(q.view(torch.int8))
         # Whole chunks as a [R, full, C] view, the short last chunk (if any) on its own: no
         # padded buffer and a contiguous result. Each value is one exact fp32 product.
         full = numel // chunk
+        if full == n_chunks:  # whole chunks only (the usual shard): no slicing
+            values.view(rows, full, chunk).mul_(scale.unsqueeze(2))
+            return values
         if full:
             values[:, :full * chunk].view(rows, full, chunk).mul_(scale[:, :full].unsqueeze(2))
-        if full < n_chunks:
-            values[:, full * chunk:].mul_(scale[:, full:])
+        values[:, full * chunk:].mul_(scale[:, full:])
         return values
 
 
@@ -368,25 +445,28 @@ class TopKCompressor(Compressor):
 
     def _encode_rows(self, x2d: torch.Tensor, payload2d: torch.Tensor) -> None:
         k = self.k(x2d.shape[1])
-        _, idx = torch.topk(x2d.abs(), k, dim=1, sorted=False)
-        # Indices are unique, so any sort gives the same order. A single row is sorted as 1-D:
-        # torch sorts a 1-D tensor with all threads but each row of a 2-D one on one thread
-        # (128 MiB on 2 CPU threads: 128 ms vs 240 ms).
-        if idx.shape[0] == 1:
-            idx = torch.sort(idx.view(-1))[0].view(1, k)
-        else:
-            idx = torch.sort(idx, dim=1)[0]
+        if x2d.shape[0] == 1:
+            # One row (compress, or a row longer than a block) in 1-D ops: the same selection
+            # and values, but torch sorts a 1-D tensor with all threads and each row of a 2-D
+            # one on one thread (128 MiB, 2 CPU threads: 128 vs 240 ms), and fewer views keep
+            # a small shard's call at ~21 us instead of ~29 us.
+            x, payload = x2d.view(-1), payload2d.view(-1)
+            idx = torch.sort(torch.topk(x.abs(), k, sorted=False)[1])[0]
+            _bytes_as(payload[:4 * k], torch.int32).copy_(idx)
+            torch.index_select(x, 0, idx, out=_bytes_as(payload[4 * k:], torch.float32))
+            return
+        # Indices are unique, so any sort gives the same order.
+        idx = torch.sort(torch.topk(x2d.abs(), k, dim=1, sorted=False)[1], dim=1)[0]
         _bytes_as(payload2d[:, :4 * k], torch.int32).copy_(idx)
         _bytes_as(payload2d[:, 4 * k:], torch.float32).copy_(torch.gather(x2d, 1, idx))
 
-    def _decode_rows(self, payload2d: torch.Tensor, numel: int) -> torch.Tensor:
+    def _decode_rows(self, payload2d: torch.Tensor, numel: int,
+                     out2d: torch.Tensor) -> torch.Tensor:
         k = self.k(numel)
         # scatter_ bounds-checks the indices itself (an error on CPU, a device assert on CUDA).
         idx = _bytes_as(payload2d[:, :4 * k], torch.int32).long()
-        values = torch.zeros((payload2d.shape[0], numel), dtype=torch.float32,
-                             device=payload2d.device)
-        values.scatter_(1, idx, _bytes_as(payload2d[:, 4 * k:], torch.float32))
-        return values
+        out2d.zero_()
+        return out2d.scatter_(1, idx, _bytes_as(payload2d[:, 4 * k:], torch.float32))
 
 
 def build_compressor(name: str, chunk: int = 256, topk_ratio: float = 0.05) -> Compressor:
@@ -398,76 +478,3 @@ def build_compressor(name: str, chunk: int = 256, topk_ratio: float = 0.05) -> C
     if name == "topk":
         return TopKCompressor(topk_ratio)
     raise ValueError(f"compressor must be one of {', '.join(COMPRESSOR_NAMES)}, got {name!r}")
-
-
-class ErrorFeedback:
-    """Per-bucket residuals of error feedback: what compression has not delivered yet.
-
-    Each step sends q = C(g + r) and keeps r = (g + r) - D(q), so over T steps the receivers get
-    sum D(q_t) = sum g_t - r_T (up to fp32 rounding): nothing is lost, only delayed.
-    """
-
-    def __init__(self):
-        self._residuals: Dict[Hashable, torch.Tensor] = {}
-
-    def compress(self, key: Hashable, grad: torch.Tensor, compressor: Compressor,
-                 shards: int) -> List[torch.Tensor]:
-        """Compress ``grad + residual(key)`` as ``shards`` equal contiguous shards; update the residual."""
-        if not isinstance(grad, torch.Tensor) or grad.dim() != 1 or grad.dtype != torch.float32:
-            raise ValueError(f"ErrorFeedback.compress: grad must be a 1-D torch.float32 tensor, got "
-                             f"{getattr(grad, 'dtype', type(grad))} with shape "
-                             f"{tuple(getattr(grad, 'shape', ()))}")
-        if not isinstance(shards, int) or shards < 1 or grad.numel() % shards:
-            raise ValueError(f"ErrorFeedback.compress: shards must be a positive int dividing "
-                             f"grad.numel()={grad.numel()}, got {shards!r}")
-        residual = self._residuals.get(key)
-        if residual is None:
-            residual = torch.zeros_like(grad)
-        elif residual.numel() != grad.numel():
-            raise ValueError(f"ErrorFeedback.compress: residual for key {key!r} has {residual.numel()} "
-                             f"elements but grad has {grad.numel()}; drop(key) when a bucket changes")
-        elif residual.device != grad.device:  # e.g. loaded from a checkpoint onto the CPU
-            residual = residual.to(grad.device)
-        self._residuals[key] = residual
-        # The residual buffer becomes c = g + r in place, then c - D(q) shard by shard: no
-        # second bucket-sized buffer.
-        residual.add_(grad)
-        shard_len = grad.numel() // shards
-        payloads = []
-        for s in range(shards):
-            c = residual[s * shard_len:(s + 1) * shard_len]
-            q = compressor.compress(c)
-            c.sub_(compressor.decompress(q, shard_len))
-            payloads.append(q)
-        return payloads
-
-    def residual(self, key: Hashable) -> Optional[torch.Tensor]:
-        """The residual of ``key`` (None before its first compress)."""
-        return self._residuals.get(key)
-
-    def reset(self, key: Hashable) -> None:
-        """Zero the residual of ``key`` (e.g. after it was sent exactly); keeps the buffer."""
-        if key in self._residuals:
-            self._residuals[key].zero_()
-
-    def drop(self, key: Hashable) -> None:
-        """Free the residual of ``key`` (bucket left the dynamic tier)."""
-        self._residuals.pop(key, None)
-
-    def keys(self) -> List[Hashable]:
-        return list(self._residuals)
-
-    def nbytes(self) -> int:
-        """Memory held by the residuals, in bytes."""
-        return sum(r.numel() * r.element_size() for r in self._residuals.values())
-
-    def state_dict(self) -> Dict[str, Dict[Hashable, torch.Tensor]]:
-        """Residuals copied to the CPU, for checkpoints."""
-        return {"residuals": {k: r.detach().to("cpu", copy=True) for k, r in self._residuals.items()}}
-
-    def load_state_dict(self, state: Dict[str, Dict[Hashable, torch.Tensor]]) -> None:
-        """Replace all residuals; they stay on the CPU until the next compress moves them."""
-        if not isinstance(state, dict) or "residuals" not in state:
-            raise ValueError("ErrorFeedback.load_state_dict: state must be a dict from state_dict() "
-                             "with key 'residuals'")
-        self._residuals = {k: v.detach().clone() for k, v in state["residuals"].items()}

@@ -35,8 +35,8 @@ def _signflip_class():
         """Decodes every value with the wrong sign: not contractive (||D(q) - c|| = 2 ||c||), the
         kind of broken compressor remediation exists for. GVR cannot see it (same variance)."""
 
-        def _decode_rows(self, payload2d, numel):
-            return super()._decode_rows(payload2d, numel).neg_()
+        def _decode_rows(self, payload2d, numel, out2d):
+            return super()._decode_rows(payload2d, numel, out2d).neg_()
 
     return SignFlipInt4
 

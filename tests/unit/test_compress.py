@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
+from megatron_grpo.comm import compress as compress_module
 from megatron_grpo.comm.compress import (
     COMPRESSOR_NAMES,
     Compressor,
-    ErrorFeedback,
     Int4Compressor,
     Int8Compressor,
     TopKCompressor,
@@ -157,61 +157,7 @@ def test_decompress_reads_misaligned_slice():
     assert torch.equal(c.decompress(buf[1:], 300), c.decompress(p, 300))
 
 
-@pytest.mark.parametrize("name", COMPRESSOR_NAMES)
-def test_error_feedback_identity(name):
-    c = build_compressor(name, 256, 0.05)
-    ef = ErrorFeedback()
-    n, shards, steps = 2 * 1000, 2, 50
-    sent = torch.zeros(n, dtype=torch.float64)
-    true = torch.zeros(n, dtype=torch.float64)
-    for t in range(steps):
-        g = _randn(n, seed=100 + t) * (1 + t / 10)
-        payloads = ef.compress("b0", g, c, shards)
-        assert len(payloads) == shards and all(p.numel() == c.payload_bytes(n // shards) for p in payloads)
-        decoded = torch.cat([c.decompress(p, n // shards) for p in payloads])
-        sent += decoded.double()
-        true += g.double()
-    expect = true - ef.residual("b0").double()
-    rel = float((sent - expect).norm() / expect.norm())
-    assert rel < 1e-5
-    # The residual stays bounded (it is not just absorbing everything).
-    assert float(ef.residual("b0").norm()) < float(true.norm())
 
-
-def test_error_feedback_shards_equal_per_shard():
-    c = Int4Compressor(256)
-    together, apart = ErrorFeedback(), ErrorFeedback()
-    n = 2 * 1000  # shard of 1000: partial last chunk, so shard boundaries matter
-    for t in range(5):
-        g = _randn(n, seed=200 + t)
-        both = together.compress(0, g, c, 2)
-        first = apart.compress("a", g[:1000].clone(), c, 1)
-        second = apart.compress("b", g[1000:].clone(), c, 1)
-        assert torch.equal(both[0], first[0]) and torch.equal(both[1], second[0])
-    assert torch.equal(together.residual(0), torch.cat([apart.residual("a"), apart.residual("b")]))
-
-
-def test_error_feedback_bookkeeping():
-    c = Int8Compressor(256)
-    ef = ErrorFeedback()
-    g = _randn(512, seed=9)
-    assert ef.residual(1) is None and ef.nbytes() == 0
-    ef.compress(1, g, c, 2)
-    assert ef.nbytes() == 512 * 4
-    assert not torch.equal(ef.residual(1), torch.zeros(512))
-    state = ef.state_dict()
-    assert state["residuals"][1].device.type == "cpu"
-    restored = ErrorFeedback()
-    restored.load_state_dict(state)
-    assert torch.equal(restored.residual(1), ef.residual(1))
-    # Same state, same next step: bit-identical payloads.
-    g2 = _randn(512, seed=10)
-    assert all(torch.equal(a, b) for a, b in zip(ef.compress(1, g2, c, 2), restored.compress(1, g2, c, 2)))
-    ef.reset(1)
-    assert torch.equal(ef.residual(1), torch.zeros(512)) and ef.nbytes() == 512 * 4
-    ef.drop(1)
-    assert ef.residual(1) is None and ef.nbytes() == 0
-    assert torch.equal(g, _randn(512, seed=9))  # compress never modifies the gradient itself
 
 
 def test_errors_name_arguments():
@@ -228,12 +174,6 @@ def test_errors_name_arguments():
         c.decompress(torch.zeros(131, dtype=torch.uint8), 256)
     with pytest.raises(ValueError, match="out="):
         c.decompress(c.compress(torch.zeros(4)), 4, accumulate=True)
-    ef = ErrorFeedback()
-    with pytest.raises(ValueError, match="shards"):
-        ef.compress(0, torch.zeros(10), c, 3)
-    ef.compress(0, torch.zeros(10), c, 2)
-    with pytest.raises(ValueError, match="drop"):
-        ef.compress(0, torch.zeros(12), c, 2)
     assert isinstance(c, Compressor) and c.name == "int4" and math.isclose(c.ratio(256), 256 / 33)
 
 
@@ -317,11 +257,32 @@ def test_rows_sum_documented_order():
     scales = torch.tensor([1e3, 1.0, -1e-3, 7.0, 1e-5]).unsqueeze(1)
     p = c.compress_rows(_randn(5 * n, seed=12).view(5, n) * scales)
     v = [c.decompress(p[i], n) for i in range(5)]
-    # R=5: h=3, rows 0,1 += rows 3,4; R=3: h=2, row 0 += row 2; R=2: row 0 + row 1.
-    expected = ((v[0] + v[3]) + v[2]) + (v[1] + v[4])
+    # Pairwise in row order: adjacent rows added, an odd last row carried up a level.
+    expected = ((v[0] + v[1]) + (v[2] + v[3])) + v[4]
     assert torch.equal(_bits(c.decompress_rows_sum(p, n)), _bits(expected))
+    assert torch.equal(_bits(c.decompress_rows_sum(p[:4], n)), _bits((v[0] + v[1]) + (v[2] + v[3])))
+    assert torch.equal(_bits(c.decompress_rows_sum(p[:3], n)), _bits((v[0] + v[1]) + v[2]))
     assert torch.equal(_bits(c.decompress_rows_sum(p[:2], n)), _bits(v[0] + v[1]))
-    assert torch.equal(_bits(c.decompress_rows_sum(p[:4], n)), _bits((v[0] + v[2]) + (v[1] + v[3])))
+    # And not the sequential order (these magnitudes round differently), so the test has teeth.
+    assert not torch.equal(c.decompress_rows_sum(p, n), (((v[0] + v[1]) + v[2]) + v[3]) + v[4])
+
+
+@pytest.mark.parametrize("name", COMPRESSOR_NAMES)
+@pytest.mark.parametrize("rows, n", [(37, 10), (5, 40), (64, 3), (9, 16)])
+def test_rows_blocking_changes_nothing(monkeypatch, name, rows, n):
+    # Big buckets are processed in blocks of 2**k rows; with blocks forced small (16 elements:
+    # 1, 2, 4 or 16 rows per block here), every result stays bit-identical to one block.
+    c = build_compressor(name, 7, 0.2)
+    x = _rows(rows, n, seed=rows + n)
+    p = c.compress_rows(x)
+    d, s = c.decompress_rows(p, n), c.decompress_rows_sum(p, n)
+    monkeypatch.setattr(compress_module, "_BLOCK_ELEMS", 16)
+    assert len(compress_module._row_blocks(rows, n)) > 1
+    assert torch.equal(c.compress_rows(x), p)
+    assert torch.equal(_bits(c.decompress_rows(p, n)), _bits(d))
+    assert torch.equal(_bits(c.decompress_rows_sum(p, n)), _bits(s))
+    out = torch.empty(rows, n)
+    assert c.decompress_rows(p, n, out=out) is out and torch.equal(_bits(out), _bits(d))
 
 
 @pytest.mark.parametrize("name", COMPRESSOR_NAMES)
@@ -359,21 +320,26 @@ def test_rows_accept_noncontiguous_and_misaligned():
 
 
 @pytest.mark.parametrize("name", COMPRESSOR_NAMES)
-def test_rows_replace_error_feedback_loop_exactly(name):
-    # The batched residual update c -= D(C(c)) on the [dp, N] view gives what ErrorFeedback's
-    # per-shard loop gives, byte for byte and bit for bit.
+def test_rows_replace_per_shard_residual_loop_exactly(name):
+    # The batched residual update c -= D(C(c)) on the [dp, N] view gives what the per-shard
+    # loop of error feedback gives, byte for byte and bit for bit, step after step.
     c = build_compressor(name, 256, 0.05)
-    ef, dp, n = ErrorFeedback(), 8, 8 * 300
-    residual = torch.zeros(n)
+    dp, n = 8, 8 * 300
+    batched, looped = torch.zeros(n), torch.zeros(n)
     for t in range(3):
         g = _randn(n, seed=300 + t)
-        loop = ef.compress("b", g, c, dp)
-        residual.add_(g)
-        view = residual.view(dp, -1)
+        looped.add_(g)
+        loop = []
+        for i in range(dp):
+            part = looped[i * 300:(i + 1) * 300]
+            loop.append(c.compress(part))
+            part.sub_(c.decompress(loop[-1], 300))
+        batched.add_(g)
+        view = batched.view(dp, -1)
         rows = c.compress_rows(view)
-        view.sub_(c.decompress_rows(rows, n // dp))
+        view.sub_(c.decompress_rows(rows, 300))
         assert all(torch.equal(rows[i], loop[i]) for i in range(dp))
-        assert torch.equal(_bits(residual), _bits(ef.residual("b")))
+        assert torch.equal(_bits(batched), _bits(looped))
 
 
 def _aten_ops(fn):
@@ -392,10 +358,10 @@ def test_rows_op_count_independent_of_rows(name):
     assert _aten_ops(lambda: c.compress_rows(small)) == _aten_ops(lambda: c.compress_rows(big))
     assert _aten_ops(lambda: c.decompress_rows(ps, n)) == \
         _aten_ops(lambda: c.decompress_rows(pb, n))
-    # The sum adds one in-place add per halving: ceil(log2 64) - 1 = 5 more than for R = 2.
+    # The sum adds one add per level of its pairwise tree: log2 64 = 6, against 1 for R = 2.
     adds = lambda ops: dict(ops).get("aten::add_", 0)  # noqa: E731
-    assert adds(_aten_ops(lambda: c.decompress_rows_sum(pb, n))) == 5
-    assert adds(_aten_ops(lambda: c.decompress_rows_sum(ps, n))) == 0
+    assert adds(_aten_ops(lambda: c.decompress_rows_sum(pb, n))) == 6
+    assert adds(_aten_ops(lambda: c.decompress_rows_sum(ps, n))) == 1
 
 
 def test_rows_errors_name_arguments():
@@ -429,5 +395,10 @@ def test_rows_errors_name_arguments():
         c.decompress_rows_sum(p, 256, out=torch.zeros(255))
     with pytest.raises(ValueError, match=r"out must be .* got torch.float64"):
         c.decompress_rows_sum(p, 256, out=torch.zeros(256, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"decompress_rows: out must be a contiguous torch.float32 "
+                                         r"tensor of shape \(3, 256\)"):
+        c.decompress_rows(p, 256, out=torch.zeros(3, 255))
+    with pytest.raises(ValueError, match=r"decompress_rows: out must be a contiguous"):
+        c.decompress_rows(p, 256, out=torch.zeros(256, 3).t())
     with pytest.raises(ValueError, match=r"topk: numel must be < 2\*\*31"):
         TopKCompressor(0.05).decompress_rows(torch.zeros(1, 8, dtype=torch.uint8), 2 ** 31)
