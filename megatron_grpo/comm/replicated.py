@@ -25,6 +25,27 @@ import torch
 import torch.distributed as dist
 
 
+def bucket_ranges(bucket) -> dict:
+    """param -> (start, end) of its gradient inside ``bucket.grad_data``.
+
+    Read from where ``param.main_grad`` (megatron's view into the grad buffer) starts, not from
+    ``bucket.param_to_index``: in megatron-core 0.16.1 that map packs parameters back to back
+    and ignores the padding the distributed optimizer puts before parameter starts (64-element
+    alignment), so it is off by the padding for every parameter after the first.
+    """
+    base = bucket.grad_data.data_ptr()
+    size = bucket.grad_data.element_size()
+    out = {}
+    for param in bucket.params_list:
+        start = (param.main_grad.data_ptr() - base) // size
+        if not 0 <= start <= bucket.grad_data.numel() - param.numel():
+            raise RuntimeError(f"GRPO: a parameter's main_grad does not lie in its bucket "
+                               f"(offset {start}, {param.numel()} elements, bucket "
+                               f"{bucket.grad_data.numel()})")
+        out[param] = (start, start + param.numel())
+    return out
+
+
 class ReplicatedElements:
     """The replicated elements of one bucket (flat indices into its gradient/param buffer)."""
 
@@ -42,7 +63,7 @@ class ReplicatedElements:
     def for_bucket(cls, bucket, shard_len: int, rank: int, device) -> Optional["ReplicatedElements"]:
         """The replicated elements of a megatron bucket, or None when it has none."""
         pieces = []
-        for param, (start, end) in bucket.param_to_index.items():
+        for param, (start, end) in bucket_ranges(bucket).items():
             if not getattr(param, "tensor_model_parallel", False):
                 pieces.append(torch.arange(start, end, dtype=torch.int64))
         if not pieces:

@@ -71,6 +71,8 @@ def transformer_config(cfg: PretrainConfig, platform: Platform):
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
+        # No CUDA graphs; megatron 0.16.1's default scope "full" only warns that it is deprecated.
+        cuda_graph_scope=[],
     )
 
 

@@ -245,6 +245,8 @@ def main():
     hooks.after_build, hooks.before_step, hooks.after_step = after_build, before_step, after_step
     run(cfg, hooks)
     # Buckets whose shard on this rank holds no parameter element (only padding).
+    from megatron_grpo.comm.replicated import bucket_ranges
+
     ctrl = probe["ctrl"]
     rank = dist.get_rank(ctrl.dp_group)
     padding_only = 0
@@ -252,7 +254,7 @@ def main():
         for b in unit.group.buckets:
             shard = b.grad_data.numel() // ctrl.dp_size
             lo, hi = rank * shard, (rank + 1) * shard
-            if not any(start < hi and end > lo for start, end in b.param_to_index.values()):
+            if not any(start < hi and end > lo for start, end in bucket_ranges(b).values()):
                 padding_only += 1
     records[-1]["padding_only_shards"] = padding_only
     gathered = [None] * dist.get_world_size()

@@ -251,12 +251,13 @@ def test_tensor_parallel_copies_of_replicated_parameters_stay_identical(stdlib_d
 
 @pytest.mark.parametrize("param_gather", ["--grpo-compress-param-gather", "--no-grpo-compress-param-gather"])
 def test_same_collectives_on_every_rank_with_padding_shards(stdlib_data, tmp_path, param_gather):
-    # dp=4 with 2 KB buckets, everything dynamic: some ranks' shard of a bucket holds only
-    # padding, so they own no parameter of it. They must still join the compressed parameter
+    # dp=4 with 100-byte buckets (one parameter each), everything dynamic: megatron pads a
+    # bucket to a multiple of lcm(dp, 128), so rank 3's shard of a 96-element bias bucket holds
+    # only padding and that rank owns no parameter of it. They must still join the compressed parameter
     # gather (before: they skipped it, gloo aborted "collective mismatch", NCCL would hang).
     probe = run_probe(tmp_path, 4, [*SMALL_MODEL, *GRPO_SMALL, "--data-path", stdlib_data,
                                     "--train-iters", "9", "--eval-iters", "0", "--eval-interval", "9",
-                                    "--grpo-bucket-mb", "0.002", "--grpo-core-share", "0",
+                                    "--grpo-bucket-mb", "0.0001", "--grpo-core-share", "0",
                                     "--grpo-dynamic-share", "1", "--grpo-stable-share", "0",
                                     "--grpo-max-dynamic-share", "1", param_gather])
     ranks = probe["ranks"]
