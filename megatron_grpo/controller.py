@@ -234,8 +234,9 @@ class GRPOController:
         self._apply_freezing()
 
     def note_nonfinite(self, found: bool) -> None:
-        """The optimizer found a non-finite gradient (agreed over all ranks): the step is skipped."""
-        self.step_skipped = bool(found)
+        """An optimizer found a non-finite gradient (agreed over all ranks): the step is skipped.
+        With several chained optimizers each reports; one finding is enough."""
+        self.step_skipped = self.step_skipped or bool(found)
 
     def end_step(self) -> None:
         """Called after the optimizer step of the current iteration: applies what the step used

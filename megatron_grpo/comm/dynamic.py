@@ -29,6 +29,16 @@ from megatron_grpo.comm.error_feedback import ErrorFeedback
 from megatron_grpo.comm.replicated import ReplicatedElements
 
 
+def _used_on_current_stream(*tensors) -> None:
+    """On GPU the buffers of a bucket's sync are allocated on GRPO's side stream (start_grad_sync
+    runs there) but read on the main stream (wait(), the residual commit at end of step). Without
+    telling the caching allocator, their memory could be handed to a new side-stream tensor while
+    the main stream's kernels still read it."""
+    for t in tensors:
+        if t is not None and t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
+
+
 class CompressedReduceScatter:
     """One in-flight compressed reduce-scatter of one bucket; ``wait()`` finishes it.
 
@@ -69,6 +79,7 @@ class CompressedReduceScatter:
             return
         if self.work is not None:
             self.work.wait()
+        _used_on_current_stream(self.send, self.recv, self.exact)
         # The local shard view held this rank's own gradient; it is replaced by the sum of what
         # every rank (this one included) delivered for it.
         self.compressor.decompress_rows_sum(self.recv, self.shard_len, out=self.shard_out)

@@ -196,7 +196,7 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
                         # still joins the gather, sending a zero update, because every rank
                         # must issue the same collectives whatever its data.
                         shard = param_flat.numel() // ctrl.dp_size
-                        staged = param_flat[rank * shard:(rank + 1) * shard].float()
+                        staged = param_flat[rank * shard:(rank + 1) * shard].to(torch.float32, copy=True)
                     compressed_param_gather(param_flat, staged, ctrl.compressor, self._group,
                                             replicated=ctrl.replicated.get((unit, i)))
             self.param_gather_dispatched = True

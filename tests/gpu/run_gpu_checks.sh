@@ -26,6 +26,10 @@ PY
 log "2. compressors on the GPU (128 MiB fp32 bucket)"
 python3 launch/bench_compress.py --device cuda --repeats 5 2>&1 | tee -a "$OUT/summary.txt"
 
+log "2b. host time per bucket vs dp on CUDA (issue 7 item 5: batched path within 1.5x from dp=8 to 512)"
+python3 launch/bench_compress.py --device cuda --dp 8 64 512 --bucket-numel 40000 --repeats 10 2>&1 | tail -12 | tee -a "$OUT/summary.txt"
+python3 launch/bench_compress.py --device cuda --dp 8 64 512 --bucket-numel 33554432 --repeats 3 2>&1 | tail -12 | tee -a "$OUT/summary.txt"
+
 log "3. build the default corpus"
 python3 launch/preprocess_data.py --default-corpus --output-prefix /tmp/data/stdlib 2>&1 | tail -1 | tee -a "$OUT/summary.txt"
 
@@ -38,7 +42,9 @@ run() {  # name, extra flags
 }
 log "4. tiny GPT on CUDA/NCCL, baseline and GRPO (1 GPU: dp=1, no data-parallel traffic)"
 run tiny_base --config launch/configs/tiny.yaml --train-iters 100 --eval-interval 100 --log-interval 50
-run tiny_grpo --config launch/configs/tiny.yaml --train-iters 100 --eval-interval 100 --log-interval 50 --grpo
+# Strict comm: every tensor GRPO hands to a collective must be a CUDA tensor (NCCL); RU and
+# importance time come from CUDA events (grpo_timing = cuda_events in the metrics).
+MEGATRON_GRPO_STRICT_COMM=1 run tiny_grpo --config launch/configs/tiny.yaml --train-iters 100 --eval-interval 100 --log-interval 50 --grpo
 log "5. 24-layer hidden-1024 GPT (~330M), bf16, baseline vs GRPO: importance overhead and step time"
 BIG="--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --micro-batch-size 8 --global-batch-size 8 --bf16 --train-iters 40 --eval-interval 40 --eval-iters 2 --log-interval 20 --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 10"
 run big_base $BIG
@@ -61,5 +67,6 @@ for a, b in (("tiny_base", "tiny_grpo"), ("big_base", "big_grpo")):
     imp = statistics.mean(r["grpo_importance_time_s"] / r["step_time_s"] for r in rb[5:])
     print(f"{b}: loss {rb[0]['loss']:.3f}->{rb[-1]['loss']:.3f} val {rb[-1].get('val_loss')} step {med(rb,'step_time_s')*1e3:.1f} ms "
           f"peak_device {max(r.get('peak_device_bytes',0) for r in rb)/2**30:.2f} GiB importance {100*imp:.2f}% "
-          f"tier map {rb[-1]['grpo_tier_map']} step ratio {med(rb,'step_time_s')/med(ra,'step_time_s'):.3f}")
+          f"tier map {rb[-1]['grpo_tier_map']} step ratio {med(rb,'step_time_s')/med(ra,'step_time_s'):.3f} "
+          f"timing {rb[-1].get('grpo_timing')} ru {rb[-1].get('grpo_ru')}")
 PY
