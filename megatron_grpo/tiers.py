@@ -328,14 +328,7 @@ class GVRMonitor:
         ``window`` checks rather than on every check.
         """
         value = float(tier_gvr)
-        if self.gvr_min <= value <= self.gvr_max:  # False for NaN
-            self.consecutive = 0
-            return False
-        self.consecutive += 1
-        if self.consecutive >= self.window:
-            self.consecutive = 0
-            return True
-        return False
+        return self.check(self.gvr_min <= value <= self.gvr_max)  # False for NaN
 
     def check(self, healthy: bool) -> bool:
         """Record one check judged elsewhere (e.g. relative compression error within its limit);

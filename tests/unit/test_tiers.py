@@ -280,3 +280,9 @@ def test_no_stable_buckets_skip_the_stable_fill():
     assert kept.tiers == ["core", "dynamic", "dynamic", "stable", "dynamic"]
     with pytest.raises(ValueError, match="no_stable"):
         planner.plan(density, [10] * 5, no_stable=[True])
+
+
+def test_monitor_check_counts_unhealthy_checks_in_a_row():
+    m = GVRMonitor(0.7, 1.2, window=2, promote_share=0.25)
+    assert [m.check(h) for h in (False, True, False, False, False, False)] == \
+        [False, False, False, True, False, True]
