@@ -15,7 +15,9 @@ Traps of megatron-core 0.16.1 handled here (see docs/design.md):
 * the default ``fully_sharded_model_space`` fails at save on CPU; we use ``dp_reshardable``;
 * a fresh torch Adam has no state, and DistributedOptimizer.state_dict() asserts on it;
 * after load every param shares one ``step`` tensor that ``dp_reshardable`` resets to the
-  template value (0): resume would silently diverge, so per-param steps are restored.
+  template value (0): resume would silently diverge, so per-param steps are restored;
+* the save's results-queue Manager process dies with the first SIGTERM sent to the rank's
+  process group, and every later save fails (``_sigterm_proof_results_queue``).
 """
 
 from __future__ import annotations
@@ -106,6 +108,41 @@ def _sharded_state(built, is_loading: bool) -> Dict:
     }
 
 
+def _sigterm_proof_results_queue() -> None:
+    """Give megatron-core's torch_dist writer a results queue whose Manager survives SIGTERM.
+
+    The writer hands every rank's write results through a queue served by a Manager process
+    that megatron spawns at the first save and keeps (filesystem_async._get_write_results_queue).
+    SLURM preemption, torchrun and launch/slurm/rank_exec.sh send SIGTERM to the rank's whole
+    process group; the Manager (a spawned process: default SIGTERM action) died with it, and
+    the checkpoint the training loop then writes for the preemption failed with BrokenPipeError.
+    This Manager ignores SIGTERM instead, and gets SIGKILL when the rank dies (Linux
+    PR_SET_PDEATHSIG; it checks it was not orphaned before that), so it can neither break the
+    save nor outlive a rank that was SIGKILLed. Created as megatron would (spawn context), before
+    megatron's first save; a megatron-core without this module attribute is left alone. The
+    initializer is builtins.exec of a constant: the server process then imports nothing of ours."""
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async as fsa
+    except ImportError:
+        return
+    if getattr(fsa, "_results_queue", True) is not None:
+        return  # already made (by us or by megatron), or not this megatron-core's layout
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    init = ("import ctypes, os, signal\n"
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "try:\n"
+            "    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG\n"
+            "except (OSError, AttributeError):\n"
+            "    pass\n"
+            f"if os.getppid() != {os.getpid()}:\n"
+            "    os._exit(0)\n")
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(exec, (init,))
+    fsa._results_queue = manager.Queue()  # the proxy keeps the manager (and its server) alive
+
+
 def save_checkpoint(root: str, iteration: int, built, common: Dict,
                     rank_extra: Optional[Dict] = None) -> str:
     """Collective: every rank calls it. ``common`` holds plain values (iteration, data position,
@@ -114,6 +151,7 @@ def save_checkpoint(root: str, iteration: int, built, common: Dict,
     from megatron.core import dist_checkpointing
 
     rank = dist.get_rank()
+    _sigterm_proof_results_queue()
     final = iteration_dir(root, iteration)
     tmp = final + ".tmp"
     if rank == 0:

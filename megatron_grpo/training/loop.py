@@ -3,15 +3,22 @@
 ``run(cfg)`` is what launch/pretrain_gpt.py calls on every rank (started by torchrun).
 Hooks (``RunHooks``) let a component such as GRPO wrap the optimizer, see every step and add
 metrics and checkpoint state without branches in this loop.
+
+SIGTERM (SLURM preemption, ``scancel``, torchrun stopping its ranks) does not kill a rank during
+``run()``: it is noted, every rank agrees at the end of the iteration, and the run saves a
+checkpoint of that iteration (with --save) and returns (``_Preemption``).
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from typing import List, Optional
 
+import torch
 import torch.distributed as dist
 
 from megatron_grpo.comm.wire import wire_counter
@@ -39,6 +46,57 @@ class RunSummary:
     median_step_time_s: Optional[float] = None
     peak_rss_bytes: Optional[int] = None
     num_params: int = 0
+    preempted: bool = False
+    """True when the run stopped early on SIGTERM (after saving, with --save)."""
+
+
+class _Preemption:
+    """SIGTERM -> stop at the end of the current iteration, on every rank at the same iteration.
+
+    SLURM preemption sends SIGTERM to every task, torchrun forwards it to its ranks, and a rank
+    may see it at any point of an iteration, or (a signal to one process) alone. The handler
+    only notes it; ``agree()`` is one tiny all-reduce that every rank issues at the same point
+    of every iteration, so all ranks learn of any rank's signal at the same iteration and save
+    and stop together. A flag checked locally would let a signalled rank leave while the others
+    enter the next step's collectives and hang until the timeout.
+    Every SIGTERM only sets the flag (no "second signal kills"): under SLURM a rank receives it
+    from slurmstepd, from launch/slurm/rank_exec.sh's trap and from torchrun, within
+    milliseconds. What bounds a rank that cannot reach the end of its iteration (a hung peer)
+    is the sender's SIGKILL (torchrun after 30 s, SLURM after KillWait).
+    """
+
+    def __init__(self) -> None:
+        self.signalled = False
+        self.installed = False
+        self._previous = None
+
+    def install(self) -> None:
+        # Handlers can only be set from the main thread: run() called in another thread (an
+        # embedding application) keeps its process's handling. A process that chose to ignore
+        # SIGTERM (SIG_IGN, e.g. nohup-style wrappers) keeps ignoring it.
+        if threading.current_thread() is not threading.main_thread() or \
+                signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+            return
+        self._previous = signal.signal(signal.SIGTERM, self._note)
+        self.installed = True
+
+    def restore(self) -> None:
+        if self.installed:
+            # None: a handler set outside Python; the default is the closest we can restore.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if self._previous is None else self._previous)
+            self.installed = False
+
+    def _note(self, signum, frame) -> None:
+        self.signalled = True
+
+    def agree(self, device) -> int:
+        """Collective on the default group: the number of ranks that got SIGTERM so far. On a
+        GPU, ``item()`` waits for the all-reduce: one 4-byte collective and host sync per
+        iteration (the loss all-reduce already syncs every step)."""
+        flag = torch.tensor([1 if self.signalled else 0], dtype=torch.int32, device=device)
+        with wire_counter().tag("control"):  # not gradient traffic (the caller drops it too)
+            dist.all_reduce(flag)
+        return int(flag.item())
 
 
 def _median(xs: List[float]) -> Optional[float]:
@@ -73,6 +131,18 @@ def default_hooks(cfg: PretrainConfig) -> RunHooks:
 
 
 def run(cfg: PretrainConfig, hooks: Optional[RunHooks] = None) -> RunSummary:
+    # Installed before the process group exists: a SIGTERM during start-up or --load is noted
+    # too, and acted on at the end of the first iteration. The previous handler comes back
+    # whatever happens (tests and embedding code call run() more than once per process).
+    preemption = _Preemption()
+    preemption.install()
+    try:
+        return _run(cfg, hooks, preemption)
+    finally:
+        preemption.restore()
+
+
+def _run(cfg: PretrainConfig, hooks: Optional[RunHooks], preemption: _Preemption) -> RunSummary:
     hooks = hooks or default_hooks(cfg)
     t, lg = cfg.training, cfg.logging
     platform = select_platform(force_cpu=t.cpu, local_rank=int(os.environ.get("LOCAL_RANK", 0)))
@@ -150,6 +220,11 @@ def run(cfg: PretrainConfig, hooks: Optional[RunHooks] = None) -> RunSummary:
         step_time = time.perf_counter() - t0
         iteration += 1
         wire = counter.reset()
+        # Every rank, every iteration, at this point: did any rank get SIGTERM? Its few bytes
+        # are dropped from the counts (like evaluation's), so wire_bytes stays the step's own.
+        signalled = preemption.agree(platform.device)
+        counter.reset()
+        stopping = signalled > 0 and iteration < t.train_iters
         step_times.append(step_time)
         record = {
             "iteration": iteration, "run": lg.run_name, "loss": result.loss,
@@ -181,7 +256,8 @@ def run(cfg: PretrainConfig, hooks: Optional[RunHooks] = None) -> RunSummary:
                 logger.close()
                 raise weight_check.WeightHashMismatch(
                     weight_check.failure_message(hashes, iteration))
-        if iteration % lg.eval_interval == 0 or iteration == t.train_iters:
+        # A preempted run skips a due evaluation: the grace before SIGKILL is for the checkpoint.
+        if (iteration % lg.eval_interval == 0 or iteration == t.train_iters) and not stopping:
             if lg.eval_iters > 0:
                 valid_iter = MicroBatchIterator(valid_ds, 0, mbs, dp_rank, dp_size)
                 val = evaluate(forward_step, valid_iter, built, lg.eval_iters, num_mb, seq, mbs)
@@ -190,7 +266,7 @@ def run(cfg: PretrainConfig, hooks: Optional[RunHooks] = None) -> RunSummary:
                     record["val_loss"] = val
                     summary.val_loss = val
         save_due = cfg.checkpoint.save and (
-            iteration == t.train_iters
+            iteration == t.train_iters or stopping
             or (cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0))
         if save_due:
             checkpointing.save_checkpoint(cfg.checkpoint.save, iteration, built, {
@@ -208,6 +284,15 @@ def run(cfg: PretrainConfig, hooks: Optional[RunHooks] = None) -> RunSummary:
                 wire_after_first += record["wire_bytes"]
             summary.last_loss = record["loss"]
             logged += 1
+        if stopping:
+            summary.preempted = True
+            if dist.get_rank() == 0:
+                where = (f"saved checkpoint {checkpointing.iteration_dir(cfg.checkpoint.save, iteration)}"
+                         f"; resume with --load {cfg.checkpoint.save}" if cfg.checkpoint.save
+                         else "no --save, so no checkpoint")
+                print(f"[{lg.run_name}] SIGTERM on {signalled} of {dist.get_world_size()} rank(s): "
+                      f"stopped after iteration {iteration} of {t.train_iters}; {where}", flush=True)
+            break
         if t.exit_after_iter is not None and iteration >= t.exit_after_iter:
             break
     logger.close()
