@@ -21,6 +21,7 @@ setup(
     packages=find_packages(include=["megatron_grpo", "megatron_grpo.*"]),
     install_requires=[
         "megatron-core==0.16.1",
+        "matplotlib",  # benchmark plots (python -m megatron_grpo.bench)
         "numpy",
         "psutil",  # dist_checkpointing needs it but the megatron-core wheel does not declare it
         "pyyaml",

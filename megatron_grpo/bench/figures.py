@@ -1,0 +1,114 @@
+"""Figures of a run and of one run against another, from the per-iteration metrics records.
+
+Only the trainer's own records are used: bytes are the counted torch.distributed volume of each
+step (megatron_grpo/comm/wire.py), times the step's host wall time, validation the trainer's
+evaluation on held-out documents. The first iteration is left out of timings (warm-up).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Dict, List, Optional, Sequence
+
+TIERS = ("core", "dynamic", "stable")
+
+
+def _median(xs: Sequence[float]) -> Optional[float]:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def val_curve(records: List[Dict]) -> List[List[float]]:
+    """[[iteration, validation loss], ...] in iteration order."""
+    return [[r["iteration"], r["val_loss"]] for r in records if "val_loss" in r]
+
+
+def window(records: List[Dict], first_iter: int) -> List[Dict]:
+    """Records of iterations after ``first_iter`` (the same iterations for every contender)."""
+    return [r for r in records if r["iteration"] > first_iter]
+
+
+def summarize(records: List[Dict], steady_from: int = 0) -> Dict:
+    """One run's figures; ``steady_from``: iterations after it form the steady window (e.g. after
+    GRPO's exact warm-up) for the bytes and time figures that exclude warm-up."""
+    if not records:
+        raise ValueError("no records: the run logged nothing")
+    timed = records[1:] or records
+    steady = window(records, steady_from) or timed
+    vals = val_curve(records)
+    out = {
+        "iterations": records[-1]["iteration"],
+        "loss_start": records[0]["loss"],
+        "loss_end": statistics.mean(r["loss"] for r in records[-10:]),
+        "val_loss": vals[-1][1] if vals else None,
+        "val_curve": vals,
+        "step_time_s": _median([r["step_time_s"] for r in timed]),
+        "optimizer_time_s": _median([r.get("optimizer_time_s", 0.0) for r in timed]),
+        "tokens_per_s": _median([r["tokens_per_s"] for r in timed]),
+        "wire_bytes_per_step": statistics.mean(r["wire_bytes"] for r in timed),
+        "steady_from": steady_from,
+        "steady_wire_bytes_per_step": statistics.mean(r["wire_bytes"] for r in steady),
+        "steady_step_time_s": _median([r["step_time_s"] for r in steady]),
+        "importance_time_s": statistics.mean(r.get("grpo_importance_time_s", 0.0) for r in timed),
+        "peak_rss_mb": max(r["peak_rss_bytes"] for r in records) / 2**20,
+        "skipped_steps": sum(1 for r in records if r.get("skipped")),
+    }
+    out["fwd_bwd_time_s"] = (out["step_time_s"] - out["optimizer_time_s"]
+                             if out["step_time_s"] is not None else None)
+    if any("wire_bytes_core" in r for r in records):
+        out["steady_wire_bytes_by_tier"] = {
+            t: statistics.mean(r.get(f"wire_bytes_{t}", 0) for r in steady) for t in TIERS}
+        shares = [r for r in steady if "grpo_share_core" in r]
+        if shares:
+            out["mean_shares"] = {t: statistics.mean(r[f"grpo_share_{t}"] for r in shares)
+                                  for t in TIERS}
+    health = [r for r in records if "grpo_rel_error_dynamic" in r]
+    if health:
+        out["health"] = {
+            "checks": len(health),
+            "rel_error": [min(r["grpo_rel_error_dynamic"] for r in health),
+                          max(r["grpo_rel_error_dynamic"] for r in health)],
+            "cosine_min": min(r["grpo_cosine_dynamic"] for r in health),
+            "gvr": [min(r["grpo_gvr_dynamic"] for r in health),
+                    max(r["grpo_gvr_dynamic"] for r in health)],
+        }
+    if any("peak_device_bytes" in r for r in records):
+        out["peak_device_mb"] = max(r.get("peak_device_bytes", 0) for r in records) / 2**20
+    if any("grpo_ef_bytes" in r for r in records):
+        out["grpo_ef_mb"] = max(r.get("grpo_ef_bytes", 0) for r in records) / 2**20
+    return out
+
+
+def val_at(curve: List[List[float]], iteration: int) -> Optional[float]:
+    for it, v in curve:
+        if it == iteration:
+            return v
+    return None
+
+
+def compare(run: Dict, base: Dict) -> Dict:
+    """``run`` against ``base`` (same seed, data, iterations): ratios and relative differences."""
+    def ratio(key):
+        a, b = run.get(key), base.get(key)
+        return a / b if a is not None and b else None
+
+    out = {
+        "val_loss_diff_pct": (100 * (run["val_loss"] / base["val_loss"] - 1)
+                              if run.get("val_loss") and base.get("val_loss") else None),
+        "wire_ratio": ratio("wire_bytes_per_step"),
+        "steady_wire_ratio": ratio("steady_wire_bytes_per_step"),
+        "step_time_ratio": ratio("step_time_s"),
+        "steady_step_time_ratio": ratio("steady_step_time_s"),
+        "fwd_bwd_time_ratio": ratio("fwd_bwd_time_s"),
+        "optimizer_time_ratio": ratio("optimizer_time_s"),
+        "peak_rss_ratio": ratio("peak_rss_mb"),
+    }
+    # Validation difference along the run, at the iterations both evaluated.
+    base_vals = dict((int(i), v) for i, v in base.get("val_curve", []))
+    out["val_diff_curve"] = [[int(i), 100 * (v / base_vals[int(i)] - 1)]
+                             for i, v in run.get("val_curve", []) if base_vals.get(int(i))]
+    return out
+
+
+def fmt(x: Optional[float], spec: str = ".3f", suffix: str = "") -> str:
+    return "-" if x is None else f"{x:{spec}}{suffix}"

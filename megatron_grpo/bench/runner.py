@@ -1,0 +1,173 @@
+"""Run contenders through the real training entry and read their per-iteration records back.
+
+Every run is ``launch/pretrain_gpt.py`` under torchrun (gloo ranks on CPU, NCCL on a GPU node),
+so a benchmark measures exactly what a user's run does. A run whose metrics file is complete
+and whose command is unchanged is reused (``--reuse``), so an interrupted ``bench all`` resumes
+where it stopped instead of retraining finished runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional, Sequence
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ENTRY = os.path.join(REPO, "launch", "pretrain_gpt.py")
+CONFIGS = os.path.join(REPO, "launch", "configs")
+
+
+class BenchError(RuntimeError):
+    """A benchmark run failed; the message names the run, its log and what to do."""
+
+
+@dataclasses.dataclass
+class Contender:
+    """One side of a side-by-side comparison: a name and the training flags that make it."""
+
+    name: str
+    """Short label used in tables, plots and file names (no spaces)."""
+    flags: List[str]
+    """Training flags added to the suite's common flags (e.g. ``["--grpo"]``)."""
+    about: str = ""
+    """One line saying what this contender is, for the table and docs."""
+    skip: Optional[str] = None
+    """When set, the contender is not run and this reason is reported instead (never faked)."""
+
+
+@dataclasses.dataclass
+class RunSpec:
+    """Where and how the contenders of one suite run."""
+
+    out: str
+    """Directory for metrics (``<name>.jsonl``), commands, plots and the suite's JSON."""
+    config: str
+    """YAML model/training config (launch/configs/*.yaml)."""
+    data_path: str
+    """Dataset prefix (``.bin``/``.idx``); the default corpus is built there when missing."""
+    nproc: int = 2
+    """Ranks per run (one node)."""
+    common: List[str] = dataclasses.field(default_factory=list)
+    """Flags every contender of the suite gets (seed, iterations, extra user flags)."""
+    reuse: bool = True
+    """Reuse a complete run with the same command instead of training it again."""
+    timeout_s: float = 4 * 3600
+    """Wall-clock limit of one run; a run over it is killed and reported."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def config_value(config: str, key: str, flags: Sequence[str] = ()):
+    """The value a run gets for ``key`` (flag name without dashes): last flag, else the YAML."""
+    flag = "--" + key
+    for i in range(len(flags) - 1, -1, -1):
+        if flags[i] == flag and i + 1 < len(flags):
+            return flags[i + 1]
+    import yaml
+
+    with open(config) as fh:
+        return (yaml.safe_load(fh) or {}).get(key)
+
+
+def ensure_data(data_path: str) -> None:
+    if not os.path.exists(data_path + ".idx"):
+        from megatron_grpo.data import build_default_dataset
+
+        build_default_dataset(data_path)
+
+
+def read_records(path: str) -> List[Dict]:
+    """Per-iteration records of a metrics JSONL; a torn last line (killed run) is dropped."""
+    records = []
+    with open(path) as fh:
+        for line in fh:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+    return records
+
+
+class Runner:
+    """Runs a suite's contenders one after another and prints a progress line with ETA."""
+
+    def __init__(self, suite: str, spec: RunSpec, total_runs: int) -> None:
+        self.suite, self.spec, self.total = suite, spec, total_runs
+        self.done = 0
+        self.trained_s: List[float] = []
+        self.started = time.perf_counter()
+        os.makedirs(spec.out, exist_ok=True)
+
+    def command(self, run_name: str, contender: Contender, extra: Sequence[str] = ()) -> List[str]:
+        metrics = os.path.join(self.spec.out, f"{run_name}.jsonl")
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                str(self.spec.nproc), "--master_addr", "127.0.0.1", "--master_port", "{port}",
+                ENTRY, "--config", self.spec.config, "--data-path", self.spec.data_path,
+                "--metrics-file", metrics, "--run-name", run_name,
+                "--tensorboard-dir", os.path.join(self.spec.out, "tensorboard", run_name),
+                *self.spec.common, *contender.flags, *extra]
+
+    def _eta(self) -> str:
+        if not self.trained_s:
+            return "ETA unknown until the first run ends"
+        per_run = sum(self.trained_s) / len(self.trained_s)
+        return f"ETA {per_run * (self.total - self.done) / 60:.1f} min for the suite"
+
+    def run(self, run_name: str, contender: Contender, extra: Sequence[str] = (),
+            env: Optional[Dict[str, str]] = None) -> List[Dict]:
+        """Train one run (or reuse it) and return its records."""
+        cmd = self.command(run_name, contender, extra)
+        metrics = os.path.join(self.spec.out, f"{run_name}.jsonl")
+        cmd_file = os.path.join(self.spec.out, f"{run_name}.cmd.json")
+        iters = int(config_value(self.spec.config, "train-iters", cmd))
+        shown = " ".join(c for c in cmd[cmd.index(ENTRY):])
+        self.done += 1
+        print(f"[bench {self.suite}] run {self.done}/{self.total}: {run_name} ({iters} iterations)"
+              f" | {self._eta()}", flush=True)
+        if self.spec.reuse and self._complete(metrics, cmd_file, cmd, iters):
+            print(f"[bench {self.suite}] {run_name}: reusing the complete run in {metrics}",
+                  flush=True)
+            return read_records(metrics)
+        port = str(_free_port())
+        argv = [c.replace("{port}", port) for c in cmd]
+        run_env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+                       PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1", **(env or {}))
+        print(f"[bench {self.suite}] {shown}", flush=True)
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(argv, cwd=REPO, env=run_env, timeout=self.spec.timeout_s)
+        except subprocess.TimeoutExpired:
+            raise BenchError(f"bench {self.suite}: run '{run_name}' exceeded {self.spec.timeout_s:.0f} s"
+                             f" and was killed; its metrics so far are in {metrics}") from None
+        if proc.returncode != 0:
+            raise BenchError(f"bench {self.suite}: run '{run_name}' failed with exit code "
+                             f"{proc.returncode}; its output is above, its metrics in {metrics}. "
+                             f"Fix the cause and rerun: complete runs are reused")
+        self.trained_s.append(time.perf_counter() - t0)
+        with open(cmd_file + ".tmp", "w") as fh:
+            json.dump({"command": cmd, "iterations": iters}, fh)
+        os.replace(cmd_file + ".tmp", cmd_file)
+        records = read_records(metrics)
+        if not records or records[-1]["iteration"] != iters:
+            raise BenchError(f"bench {self.suite}: run '{run_name}' exited 0 but {metrics} ends at "
+                             f"iteration {records[-1]['iteration'] if records else 0} of {iters}")
+        return records
+
+    @staticmethod
+    def _complete(metrics: str, cmd_file: str, cmd: List[str], iters: int) -> bool:
+        try:
+            with open(cmd_file) as fh:
+                saved = json.load(fh)
+            records = read_records(metrics)
+        except (OSError, json.JSONDecodeError):
+            return False
+        return saved.get("command") == cmd and bool(records) and records[-1]["iteration"] == iters
