@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 TIERS = ("core", "dynamic", "stable")
-COMPRESSORS = ("int4", "int8", "topk")
+COMPRESSORS = ("int4", "int8", "topk", "powersgd")
 STABLE_MODES = ("frozen", "delayed")
 SPARSE_TIERS = ("no-stable", "any")
 
@@ -48,11 +48,14 @@ class GRPOConfig:
     hysteresis: float = 0.1
     """Relative score margin a bucket must cross before it changes tier (no flapping)."""
     compressor: str = "int4"
-    """Dynamic-tier compressor: int4 (~8:1 vs fp32), int8 (~4:1) or topk."""
+    """Dynamic-tier compressor: int4 (~8:1 vs fp32), int8 (~4:1), topk, or powersgd (a
+    PowerSGD-style rank-r peer for benchmarks: two all-reduces of the low-rank factors)."""
     compress_chunk: int = 256
     """Elements sharing one fp32 scale in int4/int8 quantisation."""
     topk_ratio: float = 0.05
     """Share of elements the top-k compressor keeps."""
+    powersgd_rank: int = 4
+    """Rank r of the powersgd compressor (bucket viewed as a ~square matrix; bytes ~ 2 r sqrt(N))."""
     compress_param_gather: bool = True
     """Send dynamic buckets' parameter updates quantised (owner keeps exact master weights)."""
     stable_interval: int = 10
@@ -114,6 +117,9 @@ class GRPOConfig:
             fail("compressor", "one of " + ", ".join(COMPRESSORS), self.compressor)
         if not 0.0 < self.topk_ratio <= 1.0:
             fail("topk_ratio", "in (0, 1]", self.topk_ratio)
+        if isinstance(self.powersgd_rank, bool) or not isinstance(self.powersgd_rank, int) \
+                or self.powersgd_rank < 1:
+            fail("powersgd_rank", "an integer >= 1", self.powersgd_rank)
         if self.sparse_gradient_tier not in SPARSE_TIERS:
             fail("sparse_gradient_tier", "one of " + ", ".join(SPARSE_TIERS), self.sparse_gradient_tier)
         if self.stable_mode not in STABLE_MODES:

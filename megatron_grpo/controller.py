@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.comm.compress import build_compressor
+from megatron_grpo.comm.powersgd import BucketLayout, PowerSGDState
 from megatron_grpo.comm.error_feedback import ErrorFeedback
 from megatron_grpo.comm.replicated import ReplicatedElements
 from megatron_grpo.comm.wire import wire_counter
@@ -167,7 +168,15 @@ class GRPOController:
                                             config.importance_decay, self.device)
         self.planner = TierPlanner.from_config(config)
         self.monitor = GVRMonitor.from_config(config)
-        self.compressor = build_compressor(config.compressor, config.compress_chunk, config.topk_ratio)
+        # PowerSGD (a peer, for the evidence suite) compresses gradients only: the parameter
+        # deltas of its buckets go through the int4 quantiser.
+        self.powersgd = (PowerSGDState(config.powersgd_rank, seed=1)
+                         if config.compressor == "powersgd" else None)
+        self.powersgd_layouts = {(u.index, i): BucketLayout.for_bucket(b, b.grad_data.device)
+                                 for u in self.units for i, b in enumerate(u.group.buckets)
+                                 } if self.powersgd is not None else {}
+        self.compressor = build_compressor("int4" if self.powersgd else config.compressor,
+                                           config.compress_chunk, config.topk_ratio)
         self.ef = ErrorFeedback()
         # Keyed by (unit, bucket index in its group), like the error-feedback residuals.
         self.carry: Dict[tuple, torch.Tensor] = {}
@@ -246,6 +255,8 @@ class GRPOController:
         if self.step_skipped:
             self.skipped_steps += 1
             self.ef.discard()
+            if self.powersgd is not None:
+                self.powersgd.discard()
             self.importance.discard()
             self._carry_used.clear()
             self._accum_used.clear()
@@ -259,6 +270,8 @@ class GRPOController:
                 print(f"[grpo] iter {self.step.k}: {event['reason']}", flush=True)
             return
         self.ef.commit()
+        if self.powersgd is not None:
+            self.powersgd.commit()
         for key in self._carry_used:
             self.carry.pop(key, None)
         self._carry_used.clear()
@@ -346,6 +359,8 @@ class GRPOController:
                 # the unit's next sync in its new tier (keys are (unit, bucket in group)).
                 self.carry[key] = self.ef.residual(key).clone()
                 self.ef.drop(key)
+                if self.powersgd is not None:
+                    self.powersgd.drop(key)
         for key in list(self.accum):
             if key[0] in moved_local:  # re-tiering happens right after a stable update: empty
                 self.accum.pop(key)
@@ -469,7 +484,8 @@ class GRPOController:
         """Differs per rank: residuals, local importance, delayed accumulators, carries."""
         return {"ef": self.ef.state_dict(), "importance": self.importance.state_dict(),
                 "carry": {k: v.cpu() for k, v in self.carry.items()},
-                "accum": {k: (v[0].cpu(), v[1]) for k, v in self.accum.items()}}
+                "accum": {k: (v[0].cpu(), v[1]) for k, v in self.accum.items()},
+                "powersgd": self.powersgd.state_dict() if self.powersgd is not None else None}
 
     def load_common_state(self, state: Dict) -> None:
         if not state:
@@ -495,3 +511,5 @@ class GRPOController:
         self.importance.load_state_dict(state["importance"])
         self.carry = {k: v.to(self.device) for k, v in state["carry"].items()}
         self.accum = {k: [v[0].to(self.device), v[1]] for k, v in state["accum"].items()}
+        if self.powersgd is not None and state.get("powersgd"):
+            self.powersgd.load_state_dict(state["powersgd"])

@@ -379,6 +379,10 @@ def plan(model: ModelSpec, cluster: ClusterSpec, grpo: GRPOConfig,
     if bucket_size is not None and (not isinstance(bucket_size, int) or bucket_size <= 0):
         raise ValueError(f"bucket_size must be None or a positive integer, got {bucket_size!r}")
     default_bucket = bucket_size or max(40_000_000, 1_000_000 * dp)
+    if grpo.compressor == "powersgd":
+        raise ValueError("--grpo-compressor powersgd: the planner does not model this benchmark "
+                         "peer (its bytes depend on every parameter's matrix shape); its bytes are "
+                         "counted by python -m megatron_grpo.bench comm. Plan with int4/int8/topk")
     compressor = build_compressor(grpo.compressor, grpo.compress_chunk, grpo.topk_ratio)
 
     per_stage = []

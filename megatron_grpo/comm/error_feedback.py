@@ -37,6 +37,13 @@ class _Staged:
     """Elements sent exactly (replicated parameters): their residual stays 0."""
 
 
+@dataclass
+class _StagedResidual:
+    residual: torch.Tensor
+    """The new residual, computed by the compressor (becomes the residual on commit)."""
+    zero_index: Optional[torch.Tensor]
+
+
 class ErrorFeedback:
     """Per-bucket residuals of error feedback (keys: (unit, bucket index in its group))."""
 
@@ -71,9 +78,20 @@ class ErrorFeedback:
         c_own = grad[rank * shard:(rank + 1) * shard].clone()
         self._staged[key] = _Staged(grad, c_own, payload, rank, compressor, zero_index)
 
+    def stage_residual(self, key: Hashable, residual: torch.Tensor,
+                       zero_index: Optional[torch.Tensor] = None) -> None:
+        """Stage the new residual itself, for compressors whose loss is not c - D(own payload)
+        (PowerSGD: c - P_hat Q_i^T, known only after the first all-reduce)."""
+        self._staged[key] = _StagedResidual(residual, zero_index)
+
     def commit(self) -> None:
         """The step was applied: every staged bucket's residual becomes c - D(q)."""
         for key, s in self._staged.items():
+            if isinstance(s, _StagedResidual):
+                if s.zero_index is not None and s.zero_index.numel():
+                    s.residual.index_fill_(0, s.zero_index, 0.0)
+                self._residuals[key] = s.residual
+                continue
             dp = s.payload.shape[0]
             shard = s.grad.numel() // dp
             residual = self._residuals.get(key)

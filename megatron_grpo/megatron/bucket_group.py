@@ -25,6 +25,7 @@ import torch
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
 
 from megatron_grpo.comm.dynamic import CompressedReduceScatter, compressed_param_gather
+from megatron_grpo.comm.powersgd import PowerSGDReduceScatter
 
 
 class _Completed:
@@ -123,6 +124,13 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
                 shard = b.grad_data.numel() // ctrl.dp_size
                 out = b.grad_data[rank * shard:(rank + 1) * shard]
                 key = (self.grpo_unit, i)
+                if ctrl.powersgd is not None:
+                    handles.append(PowerSGDReduceScatter(
+                        key, b.grad_data, out, ctrl.ef, ctrl.powersgd, ctrl.powersgd_layouts[key],
+                        self._group, async_op,
+                        tag=lambda: ctrl.counter.tag("dynamic"), replicated=ctrl.replicated.get(key),
+                        stats=ctrl.health_stats(self.grpo_unit)))
+                    continue
                 handles.append(CompressedReduceScatter(
                     key, b.grad_data, out, ctrl.ef, ctrl.compressor, self._group, async_op,
                     replicated=ctrl.replicated.get(key), stats=ctrl.health_stats(self.grpo_unit)))

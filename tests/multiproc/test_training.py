@@ -132,4 +132,4 @@ def test_missing_dataset_and_bad_flag_errors_from_the_launcher(tmp_path):
     assert proc.returncode == 2
     assert f"{who}: --hidden-size (100) must be divisible by --num-attention-heads (3)" in proc.stderr
     proc = launch("--data-path", missing, "--grpo", "--grpo-compressor", "zip")
-    assert proc.returncode == 2 and "--grpo-compressor must be one of int4, int8, topk, got 'zip'" in proc.stderr
+    assert proc.returncode == 2 and "--grpo-compressor must be one of int4, int8, topk, powersgd, got 'zip'" in proc.stderr

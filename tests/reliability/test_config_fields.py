@@ -57,6 +57,7 @@ RANGE = {
     "grpo.importance_decay": ["--grpo-importance-decay", "1.0"], "grpo.hysteresis": ["--grpo-hysteresis", "1.0"],
     "grpo.compressor": ["--grpo-compressor", "int3"], "grpo.compress_chunk": ["--grpo-compress-chunk", "0"],
     "grpo.topk_ratio": ["--grpo-topk-ratio", "0"], "grpo.compress_param_gather": None,
+    "grpo.powersgd_rank": ["--grpo-powersgd-rank", "0"],
     "grpo.stable_interval": ["--grpo-stable-interval", "0"], "grpo.stable_mode": ["--grpo-stable-mode", "lazy"],
     "grpo.gvr_interval": ["--grpo-gvr-interval", "0"], "grpo.gvr_min": ["--grpo-gvr-min", "0"],
     "grpo.gvr_max": ["--grpo-gvr-max", "0.5"], "grpo.max_compression_error": ["--grpo-max-compression-error", "0"],
@@ -149,7 +150,7 @@ def test_invalid_flag_through_the_launcher(tmp_path, table):
     job = run_job(tmp_path / "job", 1, ["--grpo", "--grpo-compressor", "int3", *DATA], probe=False,
                   timeout=120)
     said = first_line(job.err, "error (rank 0 on")
-    assert job.rc == 1 and said.endswith("--grpo-compressor must be one of int4, int8, topk, got 'int3'"), job.err[-3000:]
+    assert job.rc == 1 and said.endswith("--grpo-compressor must be one of int4, int8, topk, powersgd, got 'int3'"), job.err[-3000:]
     summary = torchrun_failure(job.err)
     assert "exitcode 2" in summary
     assert "Traceback" not in job.err.split("Root Cause")[0].split("error (rank 0")[0]

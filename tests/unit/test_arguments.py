@@ -39,7 +39,7 @@ def test_shipped_configs_parse():
     (["--load", "a", "--init-from", "b"], "--load (resume a run) and --init-from (start from weights) exclude each other"),
     (["--grpo-bucket-mb", "0"], "--grpo-bucket-mb must be a positive number of MB, got 0.0"),
     (["--grpo-retier-interval", "0"], "--grpo-retier-interval must be a positive integer, got 0"),
-    (["--grpo-compressor", "int3"], "--grpo-compressor must be one of int4, int8, topk, got 'int3'"),
+    (["--grpo-compressor", "int3"], "--grpo-compressor must be one of int4, int8, topk, powersgd, got 'int3'"),
     (["--grpo-core-share", "0.3"], "must sum to 1"),
     (["--grpo-stable-mode", "lazy"], "--grpo-stable-mode must be one of frozen, delayed, got 'lazy'"),
     (["--grpo-gvr-min", "1.5"], "--grpo-gvr-min and --grpo-gvr-max must satisfy 0 < min < max"),
