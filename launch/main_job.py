@@ -14,13 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 from typing import Dict, List, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+
+from megatron_grpo.bench import figures  # noqa: E402
 
 RUN_FLAGS = {"baseline": [], "grpo": ["--grpo"]}
 
@@ -53,31 +54,16 @@ def launch(name: str, args: argparse.Namespace, extra: List[str]) -> str:
 
 
 def summarize(records: List[Dict]) -> Dict[str, Optional[float]]:
-    """Figures of one run; the first iteration is left out of timings (warm-up)."""
-    steady = records[1:] or records
-    vals = [r["val_loss"] for r in records if "val_loss" in r]
-    return {
-        "iterations": records[-1]["iteration"],
-        "loss_start": records[0]["loss"],
-        "loss_end": statistics.mean(r["loss"] for r in records[-10:]),
-        "val_loss": vals[-1] if vals else None,
-        "step_time_s": statistics.median(r["step_time_s"] for r in steady),
-        "optimizer_time_s": statistics.median(r.get("optimizer_time_s", 0.0) for r in steady),
-        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
-        "wire_bytes_per_step": statistics.mean(r["wire_bytes"] for r in steady),
-        "importance_time_s": statistics.mean(r.get("grpo_importance_time_s", 0.0) for r in steady),
-        "peak_rss_mb": max(r["peak_rss_bytes"] for r in records) / 2**20,
-    }
+    """Figures of one run (the evidence suite's: megatron_grpo.bench.figures)."""
+    return figures.summarize(records)
 
 
 def steady_wire_ratio(base: List[Dict], grpo: List[Dict]) -> Optional[float]:
     """Wire-bytes ratio over the iterations after GRPO's first tiering (same iterations of both)."""
-    tiered = {r["iteration"] for r in grpo if r.get("grpo_tiered")}
-    if not tiered:
+    if not any(r.get("grpo_tiered") for r in grpo):
         return None
-    b = sum(r["wire_bytes"] for r in base if r["iteration"] in tiered)
-    g = sum(r["wire_bytes"] for r in grpo if r["iteration"] in tiered)
-    return g / b if b else None
+    start = figures.steady_start([grpo], 0)
+    return figures.compare(figures.summarize(grpo, start), figures.summarize(base, start))["steady_wire_ratio"]
 
 
 def print_report(summaries: Dict[str, Dict]) -> None:

@@ -57,7 +57,9 @@ def parser() -> argparse.ArgumentParser:
                    help="slowlink: tc rates of the link (default 100mbit)")
     p.add_argument("--no-reuse", action="store_true", help="retrain runs that are complete")
     p.add_argument("--docs", default=os.path.join(REPO, "docs", "benchmarks.md"),
-                   help="all: the markdown file whose bench sections are regenerated")
+                   help="the markdown file whose bench sections are regenerated (all, --update-docs)")
+    p.add_argument("--update-docs", action="store_true",
+                   help="also regenerate this suite's section of --docs (all always does)")
     return p
 
 
@@ -89,11 +91,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     except BenchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    if args.suite == "all":
+    if args.suite == "all" or args.update_docs:
         from megatron_grpo.bench.report import update_docs
 
         update_docs(args.docs, results)
-        print(f"\nregenerated the bench sections of {args.docs}")
+        print(f"\nregenerated the bench section(s) of {args.docs}")
     return 0
 
 

@@ -28,6 +28,15 @@ def window(records: List[Dict], first_iter: int) -> List[Dict]:
     return [r for r in records if r["iteration"] > first_iter]
 
 
+def steady_start(runs: Sequence[List[Dict]], default: int) -> int:
+    """Last exact iteration before every GRPO run is tiered: the steady window (iterations after
+    it) is then the same for every contender and holds no GRPO warm-up step."""
+    firsts = [next((r["iteration"] for r in recs if r.get("grpo_tiered")), None) for recs in runs
+              if any("grpo_tiered" in r for r in recs)]
+    firsts = [f for f in firsts if f is not None]
+    return max(firsts) - 1 if firsts else default
+
+
 def summarize(records: List[Dict], steady_from: int = 0) -> Dict:
     """One run's figures; ``steady_from``: iterations after it form the steady window (e.g. after
     GRPO's exact warm-up) for the bytes and time figures that exclude warm-up."""
@@ -49,6 +58,9 @@ def summarize(records: List[Dict], steady_from: int = 0) -> Dict:
         "steady_from": steady_from,
         "steady_wire_bytes_per_step": statistics.mean(r["wire_bytes"] for r in steady),
         "steady_step_time_s": _median([r["step_time_s"] for r in steady]),
+        "steady_optimizer_time_s": _median([r.get("optimizer_time_s", 0.0) for r in steady]),
+        "steady_fwd_bwd_time_s": _median([r["step_time_s"] - r.get("optimizer_time_s", 0.0)
+                                          for r in steady]),
         "importance_time_s": statistics.mean(r.get("grpo_importance_time_s", 0.0) for r in timed),
         "peak_rss_mb": max(r["peak_rss_bytes"] for r in records) / 2**20,
         "skipped_steps": sum(1 for r in records if r.get("skipped")),
@@ -100,6 +112,8 @@ def compare(run: Dict, base: Dict) -> Dict:
         "step_time_ratio": ratio("step_time_s"),
         "steady_step_time_ratio": ratio("steady_step_time_s"),
         "fwd_bwd_time_ratio": ratio("fwd_bwd_time_s"),
+        "steady_fwd_bwd_time_ratio": ratio("steady_fwd_bwd_time_s"),
+        "steady_optimizer_time_ratio": ratio("steady_optimizer_time_s"),
         "optimizer_time_ratio": ratio("optimizer_time_s"),
         "peak_rss_ratio": ratio("peak_rss_mb"),
     }

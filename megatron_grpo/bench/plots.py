@@ -103,11 +103,11 @@ def tier_map(records: List[Dict], path: str, title: str) -> str:
 
 
 def step_breakdown(summaries: Dict[str, Dict], path: str, title: str) -> str:
-    """Median step time of each run split into forward+backward (with gradient communication)
-    and the optimizer step (with the parameter all-gather)."""
+    """Median step time of each run (steady window) split into forward+backward (with gradient
+    communication) and the optimizer step (with the parameter all-gather)."""
     labels = list(summaries)
-    fb = [1e3 * (summaries[k].get("fwd_bwd_time_s") or 0.0) for k in labels]
-    opt = [1e3 * (summaries[k].get("optimizer_time_s") or 0.0) for k in labels]
+    fb = [1e3 * (summaries[k].get("steady_fwd_bwd_time_s") or 0.0) for k in labels]
+    opt = [1e3 * (summaries[k].get("steady_optimizer_time_s") or 0.0) for k in labels]
     fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(labels)), 4))
     ax.bar(labels, fb, label="forward + backward (+ grad reduce)")
     ax.bar(labels, opt, bottom=fb, label="optimizer (+ param gather)")
@@ -144,4 +144,22 @@ def ratio_bars(values: Dict[str, float], path: str, title: str, ylabel: str,
     ax.set(title=title, ylabel=ylabel)
     ax.tick_params(axis="x", labelrotation=20, labelsize=8)
     ax.grid(alpha=0.3, axis="y")
+    return _save(fig, path)
+
+
+def bytes_vs_quality(points: Dict[str, tuple], path: str, title: str,
+                     bytes_goal: float = 0.15, val_goal_pct: float = 1.0) -> str:
+    """Each contender at (bytes relative to the baseline, validation loss vs baseline in %)."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, (x, y) in points.items():
+        if x is None or y is None:
+            continue
+        ax.scatter([x], [y], s=30)
+        ax.annotate(label, (x, y), fontsize=8, xytext=(4, 4), textcoords="offset points")
+    ax.axvline(bytes_goal, color="g", ls="--", lw=0.8, label=f"{bytes_goal}x bytes goal")
+    ax.axhline(val_goal_pct, color="r", ls="--", lw=0.8, label=f"+{val_goal_pct:g} % quality goal")
+    ax.set(title=title, xlabel="bytes per step after warm-up / baseline",
+           ylabel="validation loss vs baseline (%)", xscale="log")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
     return _save(fig, path)

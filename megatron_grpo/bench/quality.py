@@ -30,7 +30,6 @@ def run(args, command: str) -> SuiteResult:
     seeds = args.seeds or DEFAULT_SEEDS
     spec = args.spec(DEFAULT_CONFIG, "quality")
     runner = Runner("quality", spec, len(seeds) * len(CONTENDERS))
-    warmup = int(config_value(spec.config, "grpo-warmup-iters", spec.common) or 0)
     records: Dict[str, Dict[int, List[Dict]]] = {c.name: {} for c in CONTENDERS}
     for seed in seeds:
         for c in CONTENDERS:
@@ -40,6 +39,8 @@ def run(args, command: str) -> SuiteResult:
         ["seed", "iterations", "baseline val", "GRPO val", "GRPO vs baseline",
          "diff at 25/50/75 % of the run", "bytes after warm-up", "bytes whole run",
          "step time ratio"])
+    warmup = F.steady_start([r for runs in records.values() for r in runs.values()],
+                            int(config_value(spec.config, "grpo-warmup-iters", spec.common) or 0))
     diffs, ratios = [], []
     for seed in seeds:
         b = F.summarize(records["baseline"][seed], warmup)
@@ -77,7 +78,7 @@ def run(args, command: str) -> SuiteResult:
         f"goal: validation <= +{VAL_GOAL_PCT:g} % at <= {BYTES_GOAL}x bytes (after warm-up): "
         f"worst seed {F.fmt(worst, '+.2f', ' %')} at {F.fmt(bytes_, '.3f', 'x')}: "
         f"{'MET' if met else 'MISSED'}")
-    res.notes.append(f"config {os.path.relpath(spec.config, os.getcwd())}; bytes after warm-up "
-                     f"= iterations after the {warmup} exact GRPO warm-up steps, same iterations "
-                     f"for both runs")
+    res.notes.append(f"config {os.path.basename(spec.config)}; bytes after warm-up = iterations "
+                     f"> {warmup} (GRPO's exact warm-up steps left out), the same iterations for "
+                     f"both runs")
     return res

@@ -2,7 +2,7 @@
 
 Every run is ``launch/pretrain_gpt.py`` under torchrun (gloo ranks on CPU, NCCL on a GPU node),
 so a benchmark measures exactly what a user's run does. A run whose metrics file is complete
-and whose command is unchanged is reused (``--reuse``), so an interrupted ``bench all`` resumes
+and whose command and training code (a fingerprint) are unchanged is reused (``--reuse``), so an interrupted ``bench all`` resumes
 where it stopped instead of retraining finished runs.
 """
 
@@ -76,6 +76,22 @@ def config_value(config: str, key: str, flags: Sequence[str] = ()):
 
     with open(config) as fh:
         return (yaml.safe_load(fh) or {}).get(key)
+
+
+def code_fingerprint() -> str:
+    """sha256 of the training code (this package and the entry script): a run made by other code
+    is not reused, even with the same command line."""
+    import hashlib
+
+    h = hashlib.sha256()
+    pkg = os.path.join(REPO, "megatron_grpo")
+    paths = [ENTRY] + sorted(os.path.join(d, f) for d, _, fs in os.walk(pkg) for f in fs
+                             if f.endswith(".py") and os.sep + "bench" + os.sep not in d + os.sep)
+    for path in paths:
+        h.update(os.path.relpath(path, REPO).encode())
+        with open(path, "rb") as fh:
+            h.update(fh.read())
+    return h.hexdigest()[:16]
 
 
 def ensure_data(data_path: str) -> None:
@@ -154,7 +170,7 @@ class Runner:
                              f"Fix the cause and rerun: complete runs are reused")
         self.trained_s.append(time.perf_counter() - t0)
         with open(cmd_file + ".tmp", "w") as fh:
-            json.dump({"command": cmd, "iterations": iters}, fh)
+            json.dump({"command": cmd, "iterations": iters, "code": code_fingerprint()}, fh)
         os.replace(cmd_file + ".tmp", cmd_file)
         records = read_records(metrics)
         if not records or records[-1]["iteration"] != iters:
@@ -170,4 +186,5 @@ class Runner:
             records = read_records(metrics)
         except (OSError, json.JSONDecodeError):
             return False
-        return saved.get("command") == cmd and bool(records) and records[-1]["iteration"] == iters
+        return (saved.get("command") == cmd and saved.get("code") == code_fingerprint()
+                and bool(records) and records[-1]["iteration"] == iters)

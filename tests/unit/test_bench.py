@@ -1,0 +1,111 @@
+"""The evidence suite's pieces without training: figures from records, the steady window, run
+reuse, plots and the docs regeneration."""
+
+import json
+import os
+
+import pytest
+
+from megatron_grpo.bench import figures as F
+from megatron_grpo.bench import plots, report, runner
+from megatron_grpo.bench.suite import SuiteResult
+
+
+def _records(n, wire, tiered_from=None, val_every=5, val_base=3.0, step=0.1, tier_map=None):
+    out = []
+    for i in range(1, n + 1):
+        r = {"iteration": i, "loss": 5.0 - 0.1 * i, "step_time_s": step, "optimizer_time_s": step / 4,
+             "tokens_per_s": 100.0, "wire_bytes": wire(i), "peak_rss_bytes": 2**20 * (100 + i)}
+        if tiered_from is not None:
+            r["grpo_tiered"] = i >= tiered_from
+            r["grpo_tier_map"] = tier_map if i >= tiered_from else "ccc"
+            for t, share in zip(F.TIERS, (0.2, 0.6, 0.2)):
+                r[f"grpo_share_{t}"] = share
+                r[f"wire_bytes_{t}"] = wire(i) // 3
+        if i % val_every == 0:
+            r["val_loss"] = val_base + 0.01 * i
+        out.append(r)
+    return out
+
+
+def test_steady_window_and_ratios_are_exact():
+    base = _records(20, lambda i: 1000)
+    grpo = _records(20, lambda i: 1000 if i < 8 else 250, tiered_from=8, val_base=3.03, step=0.2,
+                    tier_map="cds")
+    start = F.steady_start([base, grpo], default=3)
+    assert start == 7  # the last exact iteration before GRPO's first tiered one, not the default
+    b, g = F.summarize(base, start), F.summarize(grpo, start)
+    cmp = F.compare(g, b)
+    assert g["steady_wire_bytes_per_step"] == 250 and b["steady_wire_bytes_per_step"] == 1000
+    assert cmp["steady_wire_ratio"] == 0.25
+    # whole run: iterations 2..20 (first left out): 6 x 1000 + 13 x 250
+    assert cmp["wire_ratio"] == pytest.approx((6 * 1000 + 13 * 250) / 19 / 1000)
+    assert cmp["val_loss_diff_pct"] == pytest.approx(100 * (3.23 / 3.2 - 1))
+    assert [i for i, _ in cmp["val_diff_curve"]] == [5, 10, 15, 20]
+    assert cmp["step_time_ratio"] == pytest.approx(2.0)
+    assert g["mean_shares"]["stable"] == pytest.approx(0.2)
+    assert g["peak_rss_mb"] == 120
+    assert F.steady_start([base], default=3) == 3  # no GRPO run: the configured warm-up
+
+
+def test_reuse_needs_same_command_same_code_and_a_complete_run(tmp_path):
+    metrics, cmd_file = tmp_path / "a.jsonl", tmp_path / "a.cmd.json"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in _records(10, lambda i: 1)))
+    cmd = ["python", "x", "--seed", "1"]
+    cmd_file.write_text(json.dumps({"command": cmd, "code": runner.code_fingerprint()}))
+    assert runner.Runner._complete(str(metrics), str(cmd_file), cmd, 10)
+    assert not runner.Runner._complete(str(metrics), str(cmd_file), cmd, 12)         # incomplete
+    assert not runner.Runner._complete(str(metrics), str(cmd_file), cmd[:-1] + ["2"], 10)  # flags
+    cmd_file.write_text(json.dumps({"command": cmd, "code": "other"}))
+    assert not runner.Runner._complete(str(metrics), str(cmd_file), cmd, 10)         # code changed
+    # A torn last line (killed run) is dropped, not an error.
+    with open(metrics, "a") as fh:
+        fh.write('{"iteration": 11, "lo')
+    assert runner.read_records(str(metrics))[-1]["iteration"] == 10
+
+
+def test_config_value_prefers_the_last_flag(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("train-iters: 300\nseed: 5\n")
+    assert runner.config_value(str(cfg), "train-iters") == 300
+    assert runner.config_value(str(cfg), "train-iters", ["--train-iters", "7", "--train-iters", "9"]) == "9"
+    assert runner.config_value(str(cfg), "missing") is None
+
+
+def test_plots_write_pngs_and_tier_map_refuses_a_baseline(tmp_path):
+    base = _records(20, lambda i: 1000)
+    grpo = _records(20, lambda i: 250, tiered_from=8, tier_map="cds")
+    paths = [plots.loss_curves({"b": base, "g": grpo}, str(tmp_path / "l.png"), "t"),
+             plots.wire_per_step({"b": base, "g": grpo}, str(tmp_path / "w.png"), "t"),
+             plots.tier_map(grpo, str(tmp_path / "m.png"), "t"),
+             plots.val_diff({"g": [[5, 0.1], [10, 0.5]]}, str(tmp_path / "d.png"), "t"),
+             plots.step_breakdown({"b": F.summarize(base)}, str(tmp_path / "s.png"), "t"),
+             plots.memory_by_location({"b": {"host": 1.0}}, str(tmp_path / "mem.png"), "t"),
+             plots.bytes_vs_quality({"g": (0.25, 0.3), "none": (None, 1)}, str(tmp_path / "f.png"), "t")]
+    for p in paths:
+        with open(p, "rb") as fh:
+            assert fh.read(8) == b"\x89PNG\r\n\x1a\n", p
+    assert not [f for f in os.listdir(tmp_path) if ".tmp" in f]
+    with pytest.raises(ValueError, match="not a GRPO run"):
+        plots.tier_map(base, str(tmp_path / "x.png"), "t")
+
+
+def test_docs_sections_are_replaced_between_markers_and_plots_copied(tmp_path):
+    docs = tmp_path / "docs" / "benchmarks.md"
+    docs.parent.mkdir()
+    docs.write_text("# Benchmarks\n\nhand-written text\n\n<!-- bench:comm -->\nOLD\n<!-- /bench:comm -->\n\ntail\n")
+    png = tmp_path / "run" / "p.png"
+    png.parent.mkdir()
+    png.write_bytes(b"\x89PNG\r\n\x1a\nfake")
+    comm = SuiteResult("comm", "Comm", "python -m megatron_grpo.bench comm", ["a", "b"], [["x", "1"]],
+                       ["a note"], {"bytes": str(png)})
+    quality = SuiteResult("quality", "Quality", "cmd", ["a"], skipped="no reason")
+    report.update_docs(str(docs), [comm, quality])
+    text = docs.read_text()
+    assert "OLD" not in text and "hand-written text" in text and "tail" in text
+    assert "| x | 1 |" in text and "- a note" in text
+    assert "![bytes](figures/bench/comm/p.png)" in text
+    assert (docs.parent / "figures" / "bench" / "comm" / "p.png").read_bytes().startswith(b"\x89PNG")
+    assert text.count("<!-- bench:quality -->") == 1 and "Not run here: no reason" in text
+    report.update_docs(str(docs), [comm])   # again: replaced in place, not appended twice
+    assert docs.read_text().count("<!-- bench:comm -->") == 1
