@@ -74,5 +74,20 @@ class SuiteResult:
         return "\n".join(lines)
 
 
+# Flags that decide where results go, not what is measured: left out of the shown command, so
+# docs show the command that reproduces the figures wherever a user writes them.
+_PLACEMENT = {"--out": 1, "--docs": 1, "--update-docs": 0}
+
+
 def command_line(argv: List[str]) -> str:
-    return "python -m megatron_grpo.bench " + " ".join(shlex.quote(a) for a in argv)
+    shown, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--":
+            shown += argv[i:]
+            break
+        if argv[i] in _PLACEMENT:
+            i += 1 + _PLACEMENT[argv[i]]
+            continue
+        shown.append(argv[i])
+        i += 1
+    return "python -m megatron_grpo.bench " + " ".join(shlex.quote(a) for a in shown)

@@ -109,3 +109,11 @@ def test_docs_sections_are_replaced_between_markers_and_plots_copied(tmp_path):
     assert text.count("<!-- bench:quality -->") == 1 and "Not run here: no reason" in text
     report.update_docs(str(docs), [comm])   # again: replaced in place, not appended twice
     assert docs.read_text().count("<!-- bench:comm -->") == 1
+
+
+def test_shown_command_leaves_out_where_results_go():
+    from megatron_grpo.bench.suite import command_line
+
+    assert command_line(["comm", "--out", "/x", "--update-docs", "--docs", "d.md", "--seeds", "1",
+                         "--", "--out", "kept"]) == \
+        "python -m megatron_grpo.bench comm --seeds 1 -- --out kept"
