@@ -117,3 +117,28 @@ def test_shown_command_leaves_out_where_results_go():
     assert command_line(["comm", "--out", "/x", "--update-docs", "--docs", "d.md", "--seeds", "1",
                          "--", "--out", "kept"]) == \
         "python -m megatron_grpo.bench comm --seeds 1 -- --out kept"
+
+
+def test_all_runs_every_suite_with_its_own_command_and_regenerates_the_docs(tmp_path, monkeypatch):
+    import types
+
+    from megatron_grpo.bench import __main__ as cli
+
+    seen = []
+
+    def fake_module(name):
+        def run(args, command):
+            seen.append((name, command, args.extra))
+            return SuiteResult(name, name.title(), command, ["x"], [["1"]])
+        return types.SimpleNamespace(run=run)
+
+    monkeypatch.setattr(cli.importlib, "import_module", lambda mod: fake_module(mod.rsplit(".", 1)[1]))
+    monkeypatch.setattr(cli, "ensure_data", lambda path: None)
+    docs = tmp_path / "benchmarks.md"
+    assert cli.main(["all", "--out", str(tmp_path / "o"), "--docs", str(docs), "--", "--seed", "3"]) == 0
+    assert [s for s, _, _ in seen] == list(cli.SUITES)
+    assert seen[1][1] == "python -m megatron_grpo.bench quality -- --seed 3"
+    assert all(extra == ["--seed", "3"] for _, _, extra in seen)
+    text = docs.read_text()
+    assert all(f"<!-- bench:{s} -->" in text for s in cli.SUITES)
+    assert (tmp_path / "o" / "slowlink" / "slowlink.json").exists()
