@@ -14,6 +14,8 @@ TIERS = ("core", "dynamic", "stable")
 COMPRESSORS = ("int4", "int8", "topk", "powersgd")
 STABLE_MODES = ("frozen", "delayed")
 SPARSE_TIERS = ("no-stable", "any")
+TIER_POLICIES = ("importance", "random", "inverse")
+IMPORTANCE_SCORES = ("grad-weight", "grad", "fisher")
 
 
 class GRPOConfigError(ValueError):
@@ -45,6 +47,14 @@ class GRPOConfig:
     """Measure importance every this many iterations."""
     importance_decay: float = 0.9
     """EMA decay of the importance score (weight of the previous value)."""
+    importance_score: str = "grad-weight"
+    """Per-parameter score behind the ranking: grad-weight = sum |g|*|w| (first-order loss change
+    of a relative perturbation), grad = sum |g|, fisher = sum g^2 (diagonal empirical Fisher).
+    Units are ranked by score per element (density)."""
+    tier_policy: str = "importance"
+    """How units are ranked into tiers: importance (production), or, as ablation settings only,
+    random (a fresh seeded draw at every re-tier, the same on every rank, same shares) and
+    inverse (the least important units go to core, the most important to stable)."""
     hysteresis: float = 0.1
     """Relative score margin a bucket must cross before it changes tier (no flapping)."""
     compressor: str = "int4"
@@ -120,6 +130,10 @@ class GRPOConfig:
         if isinstance(self.powersgd_rank, bool) or not isinstance(self.powersgd_rank, int) \
                 or self.powersgd_rank < 1:
             fail("powersgd_rank", "an integer >= 1", self.powersgd_rank)
+        if self.importance_score not in IMPORTANCE_SCORES:
+            fail("importance_score", "one of " + ", ".join(IMPORTANCE_SCORES), self.importance_score)
+        if self.tier_policy not in TIER_POLICIES:
+            fail("tier_policy", "one of " + ", ".join(TIER_POLICIES), self.tier_policy)
         if self.sparse_gradient_tier not in SPARSE_TIERS:
             fail("sparse_gradient_tier", "one of " + ", ".join(SPARSE_TIERS), self.sparse_gradient_tier)
         if self.stable_mode not in STABLE_MODES:

@@ -43,7 +43,7 @@ from megatron_grpo.config import GRPOConfig
 from megatron_grpo.health import HealthSums, health_figures
 from megatron_grpo.importance import ImportanceTracker
 from megatron_grpo.replica import ReplicaLayout
-from megatron_grpo.tiers import GVRMonitor, TierPlan, TierPlanner, describe_moves
+from megatron_grpo.tiers import GVRMonitor, TierPlan, TierPlanner, describe_moves, policy_density
 from megatron_grpo.timing import IntervalTimer
 
 
@@ -166,7 +166,8 @@ class GRPOController:
                     if rep is not None:
                         self.replicated[(unit.index, i)] = rep
         self.importance = ImportanceTracker(n, [len(u.params) for u in self.units],
-                                            config.importance_decay, self.device)
+                                            config.importance_decay, self.device,
+                                            score=config.importance_score)
         self.planner = TierPlanner.from_config(config)
         self.monitor = GVRMonitor.from_config(config)
         # PowerSGD (a peer, for the evidence suite) compresses gradients only: the parameter
@@ -332,10 +333,13 @@ class GRPOController:
         return [r[0] / r[1] if r[1] > 0 else 0.0 for r in total]
 
     def _retier(self, k: int) -> None:
-        density = self._replica_density()
+        policy = self.config.tier_policy
+        density = policy_density(policy, self._replica_density(), k)
         free = [i for i, pinned in enumerate(self.replica_pinned) if not pinned]
+        # A random ablation redraws from scratch (no incumbency), as its definition says.
+        keep = self.tiered and policy != "random"
         plan = self.planner.plan([density[i] for i in free], [self.replica_numels[i] for i in free],
-                                 [self.replica_tiers[i] for i in free] if self.tiered else None,
+                                 [self.replica_tiers[i] for i in free] if keep else None,
                                  no_stable=[self.replica_no_stable[i] for i in free])
         tiers = ["core"] * self.layout.num_global
         for i, t in zip(free, plan.tiers):

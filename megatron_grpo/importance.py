@@ -3,7 +3,8 @@
 Importance of one parameter tensor on one step is ``sum(|g| * |w|)`` over its elements: the
 first-order estimate of how much the loss would move if the parameter were perturbed in
 proportion to itself (|gradient| x parameter sensitivity). The score kept is an exponential
-moving average of that number.
+moving average of that number. ``--grpo-importance-score`` swaps in sum |g| or sum g^2
+(diagonal empirical Fisher) for the ablation that compares them.
 
 Where it is measured: the megatron glue calls ``observe`` when a DDP bucket becomes ready during
 backward (in ``start_grad_sync``, before gradient scaling), with the bucket's local, unreduced
@@ -26,6 +27,8 @@ from typing import Dict, List, Sequence, Union
 import torch
 
 Device = Union[str, torch.device, None]
+SCORES = ("grad-weight", "grad", "fisher")
+"""Per-parameter scores (GRPOConfig.importance_score): sum |g|*|w|, sum |g|, sum g^2."""
 
 
 class ImportanceTracker:
@@ -41,7 +44,7 @@ class ImportanceTracker:
     """
 
     def __init__(self, num_buckets: int, param_counts: Sequence[int], decay: float,
-                 device: Device = None) -> None:
+                 device: Device = None, score: str = "grad-weight") -> None:
         num_buckets = operator.index(num_buckets)
         if num_buckets < 0:
             raise ValueError(f"num_buckets must be >= 0, got {num_buckets}")
@@ -53,6 +56,9 @@ class ImportanceTracker:
             raise ValueError(f"param_counts entries must be >= 0, got {counts}")
         if not 0.0 <= float(decay) < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {decay!r}")
+        if score not in SCORES:
+            raise ValueError(f"score must be one of {', '.join(SCORES)}, got {score!r}")
+        self.score = score
         self.num_buckets = num_buckets
         self.param_counts: List[int] = counts
         self.decay = float(decay)
@@ -101,13 +107,20 @@ class ImportanceTracker:
                                  f"{w.numel()} (bucket {bucket})")
             if g.shape != w.shape:
                 g, w = g.reshape(-1), w.reshape(-1)
-            # |g|*|w| == |g*w|: one product temporary per parameter, and the L1 norm is a single
-            # reduction kernel, accumulated in fp32 even for bf16 inputs.
-            values.append(torch.linalg.vector_norm(g * w, ord=1, dtype=torch.float32))
+            values.append(self._measure(g, w))
         if values:
             # One stacked copy instead of n scalar writes; stays on the device, no host sync.
             self._pending[sl].copy_(torch.stack(values), non_blocking=True)
         self._pending_buckets.add(operator.index(bucket))
+
+    def _measure(self, g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        # Norms are single reduction kernels accumulated in fp32 even for bf16 inputs.
+        if self.score == "grad":
+            return torch.linalg.vector_norm(g, ord=1, dtype=torch.float32)
+        if self.score == "fisher":
+            return torch.linalg.vector_norm(g, ord=2, dtype=torch.float32).square()
+        # |g|*|w| == |g*w|: one product temporary per parameter.
+        return torch.linalg.vector_norm(g * w, ord=1, dtype=torch.float32)
 
     def commit(self) -> None:
         """Fold this step's measurements into the EMA and clear them.

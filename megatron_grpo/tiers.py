@@ -113,6 +113,27 @@ def _fill(order: Sequence[int], numels: Sequence[int], quota: float) -> List[int
     return taken
 
 
+def policy_density(policy: str, density: Sequence[float], k: int) -> List[float]:
+    """The ranking key of each unit under ``--grpo-tier-policy`` (GRPOConfig.tier_policy).
+
+    importance: the importance density itself. inverse: its reciprocal, so the planner's fill
+    puts the least important units in core and the most important in stable (hysteresis still
+    favours incumbents). random: uniform draws from a generator seeded by the iteration ``k``
+    alone, so every rank of the job draws the same values without communicating.
+    """
+    d = _as_floats(density, "density")
+    if policy == "importance":
+        return d
+    if policy == "inverse":
+        return [1.0 / max(x, 1e-30) for x in d]
+    if policy == "random":
+        import torch
+
+        gen = torch.Generator(device="cpu").manual_seed(0x9E3779B1 + int(k))
+        return torch.rand(len(d), generator=gen, dtype=torch.float64).tolist()
+    raise ValueError(f"tier policy must be importance, random or inverse, got {policy!r}")
+
+
 class TierPlanner:
     """Assigns each bucket a tier from its importance density; see the module docstring."""
 

@@ -171,3 +171,17 @@ def test_observe_and_set_scores_errors_name_the_argument():
         tracker.set_scores(t([1.0, 2.0]))
     with pytest.raises(ValueError, match="bucket_numels"):
         tracker.bucket_density([1])
+
+
+@pytest.mark.parametrize("score, expected", [("grad-weight", 1 * 2 + 3 * 0.5), ("grad", 1 + 3),
+                                             ("fisher", 1 + 9)])
+def test_importance_score_variants(score, expected):
+    tracker = ImportanceTracker(1, [1], decay=0.5, score=score)
+    tracker.observe(0, [torch.tensor([1.0, -3.0])], [torch.tensor([2.0, -0.5])])
+    tracker.commit()
+    assert tracker.bucket_scores().tolist() == [expected]
+
+
+def test_unknown_importance_score_is_refused():
+    with pytest.raises(ValueError, match="score must be one of grad-weight, grad, fisher"):
+        ImportanceTracker(1, [1], decay=0.5, score="hessian")

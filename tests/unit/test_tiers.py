@@ -286,3 +286,27 @@ def test_monitor_check_counts_unhealthy_checks_in_a_row():
     m = GVRMonitor(0.7, 1.2, window=2, promote_share=0.25)
     assert [m.check(h) for h in (False, True, False, False, False, False)] == \
         [False, False, False, True, False, True]
+
+
+def test_tier_policies_rank_as_their_definitions_say():
+    from megatron_grpo.tiers import policy_density
+
+    density = [5.0, 1.0, 3.0, 0.0, 4.0, 2.0, 6.0, 0.5, 7.0, 8.0]
+    sizes = [10] * 10
+    planner = TierPlanner(0.2, 0.6, 0.2, hysteresis=0.1, max_dynamic_share=0.7)
+    imp = planner.plan(policy_density("importance", density, 5), sizes).tiers
+    inv = planner.plan(policy_density("inverse", density, 5), sizes).tiers
+    # importance: the two densest (8, 7) are core, the two least dense (0, 0.5) stable;
+    # inverse: exactly the other way round.
+    assert [i for i, t in enumerate(imp) if t == "core"] == [8, 9]
+    assert [i for i, t in enumerate(imp) if t == "stable"] == [3, 7]
+    assert [i for i, t in enumerate(inv) if t == "core"] == [3, 7]
+    assert [i for i, t in enumerate(inv) if t == "stable"] == [8, 9]
+    # random: the same draw for the same iteration (every rank agrees without talking), a new
+    # one at another re-tier, and the same shares as the other policies.
+    r1, r1_again, r2 = (policy_density("random", density, k) for k in (100, 100, 600))
+    assert r1 == r1_again and r1 != r2
+    tiers = planner.plan(r1, sizes).tiers
+    assert sorted(tiers) == sorted(imp)
+    with pytest.raises(ValueError, match="tier policy must be"):
+        policy_density("best", density, 1)
