@@ -1,4 +1,4 @@
-"""python -m megatron_grpo.bench {comm,quality,compute,memory,slowlink,all} --out DIR
+"""python -m megatron_grpo.bench {comm,quality,compute,memory,slowlink,all,ablation,front} --out DIR
 
 Each suite runs its contenders in one invocation (same seed, data and steps, real training entry
 under torchrun), prints a table of ratios against the megatron baseline, and writes
@@ -25,6 +25,8 @@ from megatron_grpo.bench.runner import REPO, BenchError, RunSpec, ensure_data
 from megatron_grpo.bench.suite import command_line
 
 SUITES = ("comm", "quality", "compute", "memory", "slowlink")
+# Issue 9's studies: not part of `all` (they are sweeps of many runs); run them by name.
+STUDIES = ("ablation", "front")
 
 
 class BenchArgs(argparse.Namespace):
@@ -43,7 +45,7 @@ class BenchArgs(argparse.Namespace):
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m megatron_grpo.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("suite", choices=SUITES + ("all",), help="which benchmark to run")
+    p.add_argument("suite", choices=SUITES + STUDIES + ("all",), help="which benchmark to run")
     p.add_argument("--out", default=os.path.join(REPO, "runs", "bench"),
                    help="output directory (one sub-directory per suite)")
     p.add_argument("--config", default=None,

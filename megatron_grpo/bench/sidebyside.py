@@ -1,29 +1,74 @@
-"""Run a list of contenders once each (same seed, data, steps) and compare each to the first."""
+"""Run a list of contenders (same seed, data, steps) and compare each to the first, the baseline,
+of the same seed."""
 
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Tuple
+import statistics
+from typing import Dict, List, Optional, Sequence
 
 from megatron_grpo.bench import figures as F
 from megatron_grpo.bench.runner import Contender, Runner, config_value
 
 
-def run_all(suite: str, args, default_config: str, contenders: List[Contender]
-            ) -> Tuple[object, Dict[str, List[Dict]], Dict[str, Dict], Dict[str, Dict], int]:
-    """Returns (spec, records, summaries, comparisons to contenders[0], steady-window start).
-    Contenders with ``skip`` set are left out of the dicts (the suite reports why)."""
+class Grid:
+    """records / summaries / comparisons indexed [contender name][seed]."""
+
+    def __init__(self, spec, seeds: List[int]) -> None:
+        self.spec, self.seeds = spec, seeds
+        self.records: Dict[str, Dict[int, List[Dict]]] = {}
+        self.summaries: Dict[str, Dict[int, Dict]] = {}
+        self.compare: Dict[str, Dict[int, Dict]] = {}
+        self.steady_from = 0
+
+    def mean(self, name: str, key: str) -> Optional[float]:
+        """Mean over seeds of a comparison figure (e.g. val_loss_diff_pct)."""
+        xs = [self.compare[name][s][key] for s in self.seeds if self.compare[name][s].get(key) is not None]
+        return statistics.mean(xs) if xs else None
+
+    def baseline_spread_pct(self, base: str = "baseline") -> Optional[float]:
+        """Seed-to-seed spread of the baseline's validation loss, in percent of its mean."""
+        vals = [self.summaries[base][s]["val_loss"] for s in self.seeds]
+        vals = [v for v in vals if v is not None]
+        if len(vals) < 2:
+            return None
+        return 100 * (max(vals) - min(vals)) / statistics.mean(vals)
+
+
+def run_grid(suite: str, args, default_config: str, contenders: List[Contender],
+             default_seeds: Sequence[int]) -> Grid:
+    """Train every runnable contender for every seed (seed-major, so a partial suite has whole
+    seeds); contenders[0] is the baseline every other one is compared with."""
+    spec = args.spec(default_config, suite)
+    seeds = list(args.seeds or default_seeds)
+    todo = [c for c in contenders if not c.skip]
+    runner = Runner(suite, spec, len(todo) * len(seeds))
+    grid = Grid(spec, seeds)
+    for seed in seeds:
+        for c in todo:
+            grid.records.setdefault(c.name, {})[seed] = runner.run(f"{c.name}-s{seed}", c,
+                                                                   ["--seed", str(seed)])
+    grid.steady_from = F.steady_start(
+        [r for runs in grid.records.values() for r in runs.values()],
+        int(config_value(spec.config, "grpo-warmup-iters", spec.common) or 0))
+    for name, runs in grid.records.items():
+        grid.summaries[name] = {s: F.summarize(r, grid.steady_from) for s, r in runs.items()}
+    base = todo[0].name
+    for name in grid.summaries:
+        grid.compare[name] = {s: F.compare(grid.summaries[name][s], grid.summaries[base][s])
+                              for s in seeds}
+    return grid
+
+
+def run_all(suite: str, args, default_config: str, contenders: List[Contender]):
+    """One seed (the first of --seeds, else the config's): (spec, records, summaries,
+    comparisons, steady-window start), each dict keyed by contender name."""
     spec = args.spec(default_config, suite)
     seed = (args.seeds or [int(config_value(spec.config, "seed", spec.common) or 1234)])[0]
-    todo = [c for c in contenders if not c.skip]
-    runner = Runner(suite, spec, len(todo))
-    records = {c.name: runner.run(f"{c.name}-s{seed}", c, ["--seed", str(seed)]) for c in todo}
-    warmup = F.steady_start(list(records.values()),
-                            int(config_value(spec.config, "grpo-warmup-iters", spec.common) or 0))
-    summaries = {n: F.summarize(r, warmup) for n, r in records.items()}
-    base = summaries[todo[0].name]
-    comparisons = {n: F.compare(s, base) for n, s in summaries.items()}
-    return spec, records, summaries, comparisons, warmup
+    one = type(args)(**{**vars(args), "seeds": [seed]})
+    grid = run_grid(suite, one, default_config, contenders, [seed])
+    pick = lambda d: {n: v[seed] for n, v in d.items()}  # noqa: E731
+    return spec, pick(grid.records), pick(grid.summaries), pick(grid.compare), grid.steady_from
 
 
 def plot_path(spec, name: str) -> str:

@@ -142,3 +142,10 @@ def test_all_runs_every_suite_with_its_own_command_and_regenerates_the_docs(tmp_
     text = docs.read_text()
     assert all(f"<!-- bench:{s} -->" in text for s in cli.SUITES)
     assert (tmp_path / "o" / "slowlink" / "slowlink.json").exists()
+
+
+def test_pareto_front_keeps_only_undominated_points():
+    from megatron_grpo.bench.front import pareto
+
+    pts = {"a": (0.2, 0.5), "b": (0.3, 0.1), "c": (0.3, 0.6), "d": (0.1, 2.0), "e": (None, 0.0)}
+    assert sorted(pareto(pts)) == ["a", "b", "d"]   # c is beaten by a on both; e has no bytes

@@ -1,0 +1,63 @@
+"""The bytes-vs-quality front: one-knob-at-a-time sweeps around GRPO's defaults (core share,
+stable interval, stable mode, dynamic compressor), each run against the megatron baseline of
+its seed; the Pareto-optimal points (fewest bytes for their validation loss) are marked."""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Tuple
+
+from megatron_grpo.bench import figures as F
+from megatron_grpo.bench import plots
+from megatron_grpo.bench.runner import CONFIGS, Contender
+from megatron_grpo.bench.sidebyside import plot_path, run_grid
+from megatron_grpo.bench.suite import SuiteResult
+
+DEFAULT_CONFIG = os.path.join(CONFIGS, "tiny.yaml")
+DEFAULT_SEEDS = [1234, 4321]
+
+
+def _core(share: float) -> List[str]:
+    # The dynamic tier takes what core gives up (stable stays 20 %), within the dynamic guard.
+    return ["--grpo-core-share", f"{share:g}", "--grpo-dynamic-share", f"{0.8 - share:g}",
+            "--grpo-max-dynamic-share", "0.75"]
+
+
+CONTENDERS = [Contender("baseline", [], "megatron-core, exact"),
+              Contender("default", ["--grpo"], "GRPO defaults")]
+CONTENDERS += [Contender(f"core-{int(100 * s)}", ["--grpo", *_core(s)], f"core share {s:g}")
+               for s in (0.05, 0.10, 0.25)]
+CONTENDERS += [Contender(f"stable-every-{n}", ["--grpo", "--grpo-stable-interval", str(n)],
+                         f"stable updated every {n}") for n in (5, 20, 50)]
+CONTENDERS += [Contender("delayed", ["--grpo", "--grpo-stable-mode", "delayed"], "delayed stable"),
+               Contender("int8", ["--grpo", "--grpo-compressor", "int8"], "int8 dynamic tier"),
+               Contender("topk", ["--grpo", "--grpo-compressor", "topk"], "top-k 5 % dynamic tier")]
+
+
+def pareto(points: Dict[str, Tuple[float, float]]) -> List[str]:
+    """Names of points no other point beats on both bytes and validation loss."""
+    ok = {n: p for n, p in points.items() if p[0] is not None and p[1] is not None}
+    return [n for n, (x, y) in ok.items()
+            if not any((x2 <= x and y2 <= y) and (x2, y2) != (x, y) for x2, y2 in ok.values())]
+
+
+def run(args, command: str) -> SuiteResult:
+    grid = run_grid("front", args, DEFAULT_CONFIG, CONTENDERS, DEFAULT_SEEDS)
+    points = {c.name: (grid.mean(c.name, "steady_wire_ratio"), grid.mean(c.name, "val_loss_diff_pct"))
+              for c in CONTENDERS[1:]}
+    front = pareto(points)
+    res = SuiteResult("front", "Bytes vs validation loss: sweeps around the defaults", command,
+                      ["setting", "bytes ratio after warm-up", "val vs baseline (mean of seeds)",
+                       "on the front"])
+    for c in CONTENDERS[1:]:
+        x, y = points[c.name]
+        res.rows.append([c.name, F.fmt(x, ".3f"), F.fmt(y, "+.2f", " %"), "yes" if c.name in front else ""])
+    goal = [n for n, (x, y) in points.items() if x is not None and y is not None and x <= 0.15 and y <= 1.0]
+    res.notes.append(f"points at <= 0.15x bytes and <= +1 % validation: {', '.join(goal) or 'none'}")
+    res.notes.append(f"seeds {', '.join(map(str, grid.seeds))}; baseline seed spread "
+                     f"{F.fmt(grid.baseline_spread_pct(), '.2f', ' %')}")
+    res.data = {"points": points, "front": front, "summaries": grid.summaries}
+    res.plots["bytes vs validation loss"] = plots.bytes_vs_quality(
+        {(f"{n} *" if n in front else n): p for n, p in points.items()},
+        plot_path(grid.spec, "front.png"), "bytes vs quality (* = Pareto front)")
+    return res
