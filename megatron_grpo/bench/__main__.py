@@ -58,11 +58,41 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rates", nargs="+", default=None,
                    help="slowlink: tc rates of the link (default 100mbit)")
     p.add_argument("--no-reuse", action="store_true", help="retrain runs that are complete")
+    p.add_argument("--only", nargs="+", default=None, metavar="CONTENDER",
+                   help="train just these contenders of the suite (e.g. to run them as parallel "
+                        "jobs), print no table; the suite run without --only reuses them")
     p.add_argument("--docs", default=os.path.join(REPO, "docs", "benchmarks.md"),
                    help="the markdown file whose bench sections are regenerated (all, --update-docs)")
     p.add_argument("--update-docs", action="store_true",
                    help="also regenerate this suite's section of --docs (all always does)")
     return p
+
+
+def train_only(name: str, args: BenchArgs) -> None:
+    """--only: train the named contenders of suite ``name`` for each seed, under the suite's
+    run names, so a later full run of the suite reuses them."""
+    from megatron_grpo.bench.runner import Runner, config_value
+
+    module = importlib.import_module(f"megatron_grpo.bench.{name}")
+    cands = module.contenders() if hasattr(module, "contenders") else getattr(module, "CONTENDERS", None)
+    if not cands:
+        raise BenchError(f"--only: suite {name} has no contenders to select")
+    known = [c.name for c in cands]
+    unknown = [n for n in args.only if n not in known]
+    if unknown:
+        raise BenchError(f"--only: suite {name} has no contender {', '.join(unknown)}; "
+                         f"its contenders: {', '.join(known)}")
+    chosen = [c for c in cands if c.name in args.only and not c.skip]
+    spec = args.spec(module.DEFAULT_CONFIG, name)
+    seeds = args.seeds or getattr(module, "DEFAULT_SEEDS", None) or \
+        [int(config_value(spec.config, "seed", spec.common) or 1234)]
+    runner = Runner(name, spec, len(chosen) * len(seeds))
+    for seed in seeds:
+        for c in chosen:
+            runner.run(f"{c.name}-s{seed}", c, ["--seed", str(seed)])
+    print(f"[bench {name}] trained {', '.join(c.name for c in chosen)} for seed(s) "
+          f"{', '.join(map(str, seeds))}; run the suite without --only for its table (complete "
+          f"runs are reused)", flush=True)
 
 
 def run_suite(name: str, args: BenchArgs, command: str):
@@ -86,6 +116,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     ensure_data(args.data_path)
     names = SUITES if args.suite == "all" else (args.suite,)
     results = []
+    if args.only:
+        if args.suite == "all":
+            print("error: --only selects contenders of one suite, not of all", file=sys.stderr)
+            return 2
+        try:
+            train_only(args.suite, args)
+        except BenchError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        return 0
     try:
         for name in names:
             results.append(run_suite(name, args, command if args.suite != "all"

@@ -149,3 +149,17 @@ def test_pareto_front_keeps_only_undominated_points():
 
     pts = {"a": (0.2, 0.5), "b": (0.3, 0.1), "c": (0.3, 0.6), "d": (0.1, 2.0), "e": (None, 0.0)}
     assert sorted(pareto(pts)) == ["a", "b", "d"]   # c is beaten by a on both; e has no bytes
+
+
+def test_only_trains_the_named_contenders_under_the_suite_run_names(tmp_path, monkeypatch):
+    from megatron_grpo.bench import __main__ as cli
+
+    ran = []
+    monkeypatch.setattr(runner.Runner, "run", lambda self, name, c, extra=(), env=None:
+                        ran.append((self.suite, name, c.flags, list(extra))))
+    monkeypatch.setattr(cli, "ensure_data", lambda path: None)
+    assert cli.main(["quality", "--out", str(tmp_path), "--seeds", "7", "8", "--only", "grpo"]) == 0
+    assert ran == [("quality", "grpo-s7", ["--grpo"], ["--seed", "7"]),
+                   ("quality", "grpo-s8", ["--grpo"], ["--seed", "8"])]
+    assert cli.main(["comm", "--out", str(tmp_path), "--only", "nope"]) == 1
+    assert cli.main(["all", "--out", str(tmp_path), "--only", "grpo"]) == 2
