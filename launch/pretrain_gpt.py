@@ -48,12 +48,19 @@ def _rank_log_hooks(cfg, who: str):
     return hooks
 
 
+# gloo errors that do not name gloo (its others carry their source path, .../gloo/transport/...).
+# Seen when a peer hangs and the data-parallel group's timeout expires: the step waits on the
+# overlapped gradient reduce-scatter's handle, which fails with this text (tests/reliability/test_hang.py).
+GLOO_UNTAGGED = ("Application timeout caused pair closure",)
+
+
 def _peer_failure(exc: BaseException):
     """A one-line description when ``exc`` is torch.distributed losing a peer, else None."""
     import torch.distributed as dist
 
     text = str(exc)
-    if not (isinstance(exc, getattr(dist, "DistError", ())) or "gloo" in text or "NCCL" in text):
+    if not (isinstance(exc, getattr(dist, "DistError", ())) or "gloo" in text or "NCCL" in text
+            or any(marker in text for marker in GLOO_UNTAGGED)):
         return None
     first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     peer = re.search(r"\[(\d+\.\d+\.\d+\.\d+)\]:\d+", text)  # gloo names the peer's address

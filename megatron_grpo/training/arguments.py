@@ -105,6 +105,10 @@ def _coerce(value, tp, where: str):
         if isinstance(value, bool):
             return value
         raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if base is str and (isinstance(value, bool) or not isinstance(value, (str, int, float))):
+        # A mapping or list would become its str() (a directory named "{'a': 1}"). Numbers stay
+        # accepted: YAML reads `run-name: 2024` and the weights of a data-path list as numbers.
+        raise ConfigError(f"{where}: expected str, got {value!r}")
     try:
         if base is int and isinstance(value, float) and not value.is_integer():
             raise ValueError
@@ -234,6 +238,13 @@ def validate(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
     for flag, value in positive.items():
         if value is None or value <= 0:
             raise ConfigError(f"{flag} must be a positive integer, got {value}")
+    optional_positive = {"--ffn-hidden-size": m.ffn_hidden_size, "--ddp-bucket-size": p.ddp_bucket_size,
+                         "--lr-decay-iters": o.lr_decay_iters}
+    for flag, value in optional_positive.items():  # None: the default the field's help names
+        if value is not None and value <= 0:
+            raise ConfigError(f"{flag} must be a positive integer, got {value}")
+    if not 0 <= t.seed <= 2**32 - 1:  # numpy's and megatron's seed range
+        raise ConfigError(f"--seed must be an integer in [0, 2**32 - 1], got {t.seed}")
     if p.distributed_timeout_minutes <= 0:
         raise ConfigError(f"--distributed-timeout-minutes must be > 0, got {p.distributed_timeout_minutes}")
     if t.train_iters < 0:
@@ -266,6 +277,16 @@ def validate(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
         raise ConfigError(f"--lr-decay-style must be cosine, linear or constant, got {o.lr_decay_style!r}")
     if o.clip_grad < 0:
         raise ConfigError(f"--clip-grad must be >= 0, got {o.clip_grad}")
+    # Written as "not (in range)" so that nan is refused too.
+    if not m.init_method_std > 0:
+        raise ConfigError(f"--init-method-std must be > 0, got {m.init_method_std}")
+    if not o.weight_decay >= 0:
+        raise ConfigError(f"--weight-decay must be >= 0, got {o.weight_decay}")
+    for flag, value in (("--adam-beta1", o.adam_beta1), ("--adam-beta2", o.adam_beta2)):
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"{flag} must be in [0, 1), got {value}")
+    if not o.adam_eps > 0:
+        raise ConfigError(f"--adam-eps must be > 0, got {o.adam_eps}")
     if not d.data_path:
         raise ConfigError("--data-path is required (a prefix written by launch/preprocess_data.py)")
     try:

@@ -143,11 +143,76 @@ def _sigterm_proof_results_queue() -> None:
     fsa._results_queue = manager.Queue()  # the proxy keeps the manager (and its server) alive
 
 
+def save_dir_problem(root: str) -> Optional[str]:
+    """Why --save ``root`` cannot take a checkpoint (it cannot be created, or a file cannot be
+    written and removed in it), or None. Cheap: one 6-byte file. Creates ``root`` if missing."""
+    probe = os.path.join(root, f".megatron_grpo_write_probe.{os.getpid()}")
+    try:
+        os.makedirs(root, exist_ok=True)
+        with open(probe, "w") as fh:
+            fh.write("probe\n")
+        os.remove(probe)
+    except OSError as exc:
+        return str(exc)
+    return None
+
+
+def check_save_dir(root: str) -> None:
+    """Collective, before training: rank 0 probes --save (save_dir_problem) and every rank raises
+    the same CheckpointError if it failed, instead of finding out at the first save."""
+    problem = [save_dir_problem(root) if dist.get_rank() == 0 else None]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(problem, src=0)
+    if problem[0] is not None:
+        raise CheckpointError(
+            f"--save {root}: cannot write checkpoints there ({problem[0]}; write probe of rank 0, "
+            f"before training; this is rank {dist.get_rank()}). Point --save at a directory this "
+            f"job can create and write, or make {root} writable.")
+
+
+def _save_failure(root: str, iteration: int, exc: BaseException) -> str:
+    """The one-line CheckpointError text for a save that failed with ``exc``."""
+    from torch.distributed.checkpoint import CheckpointException
+
+    if isinstance(exc, CheckpointException):
+        # Every rank raises it; only the coordinator holds the failures (rank -> (exc, trace)).
+        causes = {r: str(e[0] if isinstance(e, tuple) else e) for r, e in exc.failures.items()}
+        cause = ("; ".join(f"rank {r}: {c}" for r, c in sorted(causes.items())) if causes
+                 else "the checkpoint writer reported a failure; rank 0's error names the rank and the cause")
+    else:
+        cause = f"{type(exc).__name__}: {exc}"
+    try:
+        last = open(os.path.join(root, TRACKER)).read().strip()
+    except OSError:
+        last = ""
+    resume = (f"its latest complete checkpoint, iteration {last}, is intact: resume with --load {root}"
+              if last.isdigit() else "it holds no complete checkpoint")
+    return (f"--save {root}: saving iteration {iteration} failed on rank {dist.get_rank()} "
+            f"({' '.join(cause.split())}). Free space on its filesystem or make it writable (or "
+            f"point --save elsewhere); {resume}.")
+
+
 def save_checkpoint(root: str, iteration: int, built, common: Dict,
                     rank_extra: Optional[Dict] = None) -> str:
     """Collective: every rank calls it. ``common`` holds plain values (iteration, data position,
     scheduler state, extra component state); rank 0 writes it. ``rank_extra`` is this rank's own
-    state (e.g. error-feedback residuals), stored beside its RNG state. Returns the directory."""
+    state (e.g. error-feedback residuals), stored beside its RNG state. Returns the directory.
+    A failed write (ENOSPC, EROFS, ...) raises CheckpointError; the last complete checkpoint
+    and the tracker are untouched, the partial iter_N.tmp is replaced by the next save."""
+    from torch.distributed.checkpoint import CheckpointException
+
+    try:
+        return _save_checkpoint(root, iteration, built, common, rank_extra)
+    except OSError as exc:
+        raise CheckpointError(_save_failure(root, iteration, exc)) from exc
+    except CheckpointException as exc:
+        # torch's (a BaseException): dist_checkpointing's writer failed on some rank, e.g.
+        # "Worker failure: [Errno 28] No space left on device", raised on every rank.
+        raise CheckpointError(_save_failure(root, iteration, exc)) from None
+
+
+def _save_checkpoint(root: str, iteration: int, built, common: Dict,
+                     rank_extra: Optional[Dict]) -> str:
     from megatron.core import dist_checkpointing
 
     rank = dist.get_rank()
@@ -210,6 +275,11 @@ def verify_checkpoint(ckpt_dir: str) -> Dict:
         manifest = json.load(open(manifest_path))
     except ValueError as exc:
         raise CheckpointError(f"{manifest_path} is not valid JSON (rank {_rank()}): {exc}") from None
+    problem = _manifest_shape_problem(manifest)
+    if problem:
+        raise CheckpointError(f"{manifest_path} is not a checkpoint manifest (rank {_rank()}): "
+                              f"{problem}. The checkpoint is damaged: load an earlier iter_* directory "
+                              f"by writing its iteration into {TRACKER}.")
     for name, info in manifest["files"].items():
         path = os.path.join(ckpt_dir, name)
         if not os.path.isfile(path):
@@ -219,6 +289,30 @@ def verify_checkpoint(ckpt_dir: str) -> Dict:
             raise CheckpointError(f"checkpoint file {path} is corrupted (size/CRC32 differ from "
                                   f"{MANIFEST}; rank {_rank()}); load an earlier checkpoint.")
     return manifest
+
+
+def _manifest_shape_problem(manifest) -> Optional[str]:
+    """What is wrong with the shape save_checkpoint writes (an object with an integer
+    ``iteration`` and ``files``: name -> {size, crc32} integers), or None."""
+    def text(value) -> str:
+        shown = json.dumps(value)
+        return shown if len(shown) <= 80 else shown[:77] + "..."
+
+    if not isinstance(manifest, dict):
+        return f"expected a JSON object, got {text(manifest)}"
+    missing = [f"'{key}'" for key in ("iteration", "files") if key not in manifest]
+    if missing:
+        has = ", ".join(f"'{k}'" for k in sorted(manifest)) or "none"
+        return f"no {' and no '.join(missing)} key (keys found: {has})"
+    if not isinstance(manifest["iteration"], int):
+        return f"'iteration' is {text(manifest['iteration'])}, not an integer"
+    if not isinstance(manifest["files"], dict):
+        return f"'files' is {text(manifest['files'])}, not an object of file name -> size and crc32"
+    for name, info in manifest["files"].items():
+        if not (isinstance(info, dict) and isinstance(info.get("size"), int)
+                and isinstance(info.get("crc32"), int)):
+            return f"the entry of {name!r} is {text(info)}, not {{\"size\": int, \"crc32\": int}}"
+    return None
 
 
 def _prefill_optimizer_state(built) -> None:

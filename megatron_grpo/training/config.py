@@ -32,7 +32,7 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 128
     """Pad the tokenizer's vocabulary to a multiple of this (times tensor parallel size)."""
     init_method_std: float = 0.02
-    """Standard deviation of the weight initialisation."""
+    """Standard deviation of the weight initialisation (> 0)."""
     hidden_dropout: float = 0.0
     """Dropout after attention/MLP (0 keeps CPU runs deterministic)."""
     attention_dropout: float = 0.0
@@ -72,13 +72,13 @@ class OptimizerSettings:
     lr_decay_iters: Optional[int] = None
     """Iterations over which lr decays; default train_iters."""
     weight_decay: float = 0.01
-    """AdamW weight decay."""
+    """AdamW weight decay (>= 0)."""
     adam_beta1: float = 0.9
-    """Adam beta1."""
+    """Adam beta1, in [0, 1)."""
     adam_beta2: float = 0.95
-    """Adam beta2."""
+    """Adam beta2, in [0, 1)."""
     adam_eps: float = 1e-8
-    """Adam epsilon."""
+    """Adam epsilon (> 0)."""
     clip_grad: float = 1.0
     """Global gradient-norm clipping threshold (0 disables)."""
 
@@ -95,7 +95,7 @@ class TrainingSettings:
     """Optimizer steps to run (in total, counting steps done before --load); 0 with --save
     writes the initial weights as a seed checkpoint and exits."""
     seed: int = 1234
-    """Random seed for initialisation and data order."""
+    """Random seed for initialisation and data order, in [0, 2**32 - 1]."""
     bf16: bool = False
     """Train in bf16 with fp32 master weights (megatron mixed precision)."""
     cpu: bool = False

@@ -157,6 +157,8 @@ def _run(cfg: PretrainConfig, hooks: Optional[RunHooks], preemption: _Preemption
     counter = wire_counter()
     init_distributed(platform, timeout_s=int(cfg.parallel.distributed_timeout_minutes * 60))
     model_parallel_init(cfg)
+    if cfg.checkpoint.save:  # an unwritable --save fails now, not after the first save_interval
+        checkpointing.check_save_dir(cfg.checkpoint.save)
 
     from megatron_grpo.data import MicroBatchIterator
 

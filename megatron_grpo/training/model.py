@@ -197,6 +197,10 @@ def model_parallel_init(cfg: PretrainConfig) -> None:
         ps.initialize_model_parallel(
             tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size,
             pipeline_model_parallel_size=cfg.parallel.pipeline_model_parallel_size,
+            # Megatron's default (30 min) would bound every data/tensor/pipeline-parallel
+            # collective, the step's own included: without this a hung peer goes unreported for
+            # 30 min whatever --distributed-timeout-minutes says. timedelta(minutes=) takes floats.
+            distributed_timeout_minutes=cfg.parallel.distributed_timeout_minutes,
         )
     # Seeds the default generator (CPU init) and megatron's model-parallel RNG tracker, so
     # replicated weights are equal on every TP rank and TP-split ones come from one full tensor.

@@ -18,9 +18,6 @@ megatron_grpo needs a test branch. SPEC (R: rank, K: iteration, counted from 1):
                         data-parallel collectives)
   hang-after:R:K        rank R sleeps forever after the optimizer step of iteration K (its peers
                         wait in the next world-group collective: the loop's SIGTERM agreement)
-  group-timeout:MIN     pass MIN as distributed_timeout_minutes to megatron's
-                        initialize_model_parallel (the data/tensor/pipeline groups), which
-                        megatron_grpo does not do: shows what that change would give
   sigterm:R:K           rank R sends itself SIGTERM before iteration K (only that rank is signalled)
   nonfinite:K:TIER:V    rank 1 writes V (nan or inf) into one gradient element of a GRPO unit of
                         tier TIER (core, dynamic, stable) during iteration K
@@ -91,7 +88,7 @@ class Faults:
         self.built = self.ctrl = None
         self.records, self.current = [], None
         self.track_state = any(f[0] == "nonfinite" for f in faults)
-        self.unranked = ("nonfinite", "slow", "group-timeout")
+        self.unranked = ("nonfinite", "slow")
 
     def mine(self, kind):
         """(K, rest...) of this rank's faults of ``kind``."""
@@ -202,18 +199,6 @@ class Faults:
                 json.dump(self.records, fh)
             os.replace(path + ".part", path)
 
-    def wrap_group_timeout(self) -> None:
-        for (minutes,) in self.mine("group-timeout"):
-            from megatron.core import parallel_state as ps
-
-            init = ps.initialize_model_parallel
-
-            def initialize_model_parallel(*args, **kwargs):
-                # megatron turns it into timedelta(minutes=...), which takes a float.
-                kwargs["distributed_timeout_minutes"] = float(minutes)
-                return init(*args, **kwargs)
-            ps.initialize_model_parallel = initialize_model_parallel
-
     # -- inside save_checkpoint ----------------------------------------------------------------
     def wrap_checkpointing(self) -> None:
         points = list(self.mine("kill-save"))
@@ -262,7 +247,6 @@ def main() -> int:
 
     probe = Faults(faults, out, rank)
     probe.wrap_checkpointing()
-    probe.wrap_group_timeout()
     base_default = loop.default_hooks
 
     def default_hooks(cfg):  # run() builds its hooks through this module-level name

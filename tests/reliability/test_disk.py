@@ -1,5 +1,7 @@
-"""Unwritable and full checkpoint directories: the save fails with an error naming the path
-(and the rank), the job ends, and any earlier checkpoint stays intact and loadable.
+"""Unwritable and full checkpoint directories. A --save that cannot be written at start is
+refused before training, by every rank, naming the path (rank 0's write probe). A save that fails
+later (the filesystem turned read-only, or full) ends the job with a one-line error naming the path
+and the rank, and any earlier checkpoint stays intact and loadable.
 
 We run as root, so chmod cannot make a directory unwritable: a path under a regular file
 (ENOTDIR), a read-only bind mount (EROFS) and a small tmpfs (ENOSPC) can. The mounts need root
@@ -12,7 +14,7 @@ import subprocess
 import pytest
 
 from harness import losses, read_metrics
-from reliability_harness import (REF_ITERS, REF_SAVE_INTERVAL, run_job,
+from reliability_harness import (REF_ITERS, REF_SAVE_INTERVAL, rank_errors, run_job, start_job,
                                  torchrun_failure, tree_digest)
 from megatron_grpo.training import checkpointing
 
@@ -21,6 +23,8 @@ pytestmark = pytest.mark.reliability_slow
 GROUP = "Unwritable and full checkpoint directories"
 EXPECTED = ("the save fails with an error naming the path and the rank; the job ends; an earlier "
             "checkpoint stays intact")
+EXPECTED_AT_START = ("refused before training, by every rank, with a one-line error naming the path "
+                     "and the rank; the job ends; nothing on disk changes")
 
 
 @contextlib.contextmanager
@@ -41,46 +45,50 @@ def mounted(table, what, *commands):
         subprocess.run(["umount", target], check=True)
 
 
-def _describe(job, path):
-    """(the line reporting the cause, whether it is one of our one-line errors, whether it names
-    the path). The rank that hit the error reports it; the other only sees a lost peer."""
-    ours = [l for l in job.lines("error (rank") if "peer failure" not in l]
-    raw = [l for l in job.err.splitlines() if l.startswith("[rank") and "Error:" in l]
-    lines = ours or raw
-    line = lines[0] if lines else ""
-    return line, bool(ours), str(path) in line
+def _refused_at_start(job, save, reason):
+    """Every rank's one-line error for a --save the probe could not write: asserted exactly."""
+    errors = rank_errors(job.err)
+    for rank in (0, 1):
+        assert errors.get(rank, "").endswith(
+            f": --save {save}: cannot write checkpoints there ({reason}; write probe of rank 0, before "
+            f"training; this is rank {rank}). Point --save at a directory this job can create and "
+            f"write, or make {save} writable."), job.err[-4000:]
+    summary = torchrun_failure(job.err)
+    assert job.rc == 1 and "exitcode 2" in summary and not job.leftovers, job.err[-4000:]
+    assert "Traceback" not in job.err.split("Root Cause")[0].split("error (rank")[0], job.err[-4000:]
+    return errors[1], summary
 
 
 def test_save_under_a_regular_file(reference, tmp_path, table):
     blocker = tmp_path / "not_a_dir"
     blocker.write_text("a file where the checkpoint directory's parent should be\n")
     save = blocker / "ckpt"
+    metrics = tmp_path / "m.jsonl"
     job = run_job(tmp_path / "job", 2, [*reference["args"], "--save", save, "--save-interval",
-                                        REF_SAVE_INTERVAL, "--metrics-file", tmp_path / "m.jsonl"],
+                                        REF_SAVE_INTERVAL, "--metrics-file", metrics],
                   probe=False, timeout=240)
-    assert job.rc not in (0, None)
-    assert not job.leftovers
-    line, one_line, named = _describe(job, save)
-    assert named, job.err[-4000:]
-    logged = len(read_metrics(tmp_path / "m.jsonl")) if (tmp_path / "m.jsonl").exists() else 0
+    said, summary = _refused_at_start(job, save, f"[Errno 20] Not a directory: '{save}'")
+    assert not metrics.exists() and "start_iter=" not in job.out  # no model built, no iteration
+    assert blocker.read_text().startswith("a file where")
     table.row(GROUP, f"--save {blocker.name}/ckpt where {blocker.name} is a regular file (ENOTDIR), "
-                     f"--save-interval {REF_SAVE_INTERVAL}", EXPECTED,
-              f"trained {REF_SAVE_INTERVAL} iterations ({logged} logged), then the first save "
-              f"(iteration {REF_SAVE_INTERVAL}) failed: rc {job.rc}; "
-              f"{torchrun_failure(job.err)}; "
-              + ("one-line error: " if one_line else "raw traceback, no one-line error: ")
-              + f"\"{line[:240]}\"; the path is named, the rank only by "
-              f"torchrun's summary / the [rankN] prefix; nothing is checked before training starts, "
-              f"so {REF_SAVE_INTERVAL} iterations were computed for nothing", ok=one_line)
+                     f"--save-interval {REF_SAVE_INTERVAL}", EXPECTED_AT_START,
+              f"refused before the model was built (no iteration, no metrics file): rc {job.rc}; "
+              f"{summary}; each rank printed e.g. \"{said}\"; no traceback", ok=True)
 
 
-def test_read_only_directory_with_an_earlier_checkpoint(reference, tmp_path, table):
+def _earlier_checkpoint(reference, tmp_path):
+    """A copy of the reference checkpoints cut back to iteration 8."""
     ckpt = tmp_path / "ckpt"
     shutil.copytree(reference["ckpt"], ckpt)
     for it in (12, 16):
         shutil.rmtree(checkpointing.iteration_dir(str(ckpt), it))
     (ckpt / checkpointing.TRACKER).write_text("8")
-    what = "--load D --save D with D a read-only bind mount holding checkpoint 8 (EROFS at the save of 12)"
+    return ckpt
+
+
+def test_read_only_directory_is_refused_at_start(reference, tmp_path, table):
+    ckpt = _earlier_checkpoint(reference, tmp_path)
+    what = "--load D --save D with D a read-only bind mount holding checkpoint 8 (EROFS at start)"
     with mounted(table, what, ["mount", "--bind", str(ckpt), str(ckpt)],
                  ["mount", "-o", "remount,bind,ro", str(ckpt)]):
         before = tree_digest(ckpt)
@@ -89,19 +97,50 @@ def test_read_only_directory_with_an_earlier_checkpoint(reference, tmp_path, tab
                                             "--metrics-file", tmp_path / "m.jsonl"],
                       probe=False, timeout=240)
         after = tree_digest(ckpt)
-    assert job.rc not in (0, None) and not job.leftovers
+    probe_file = [l for l in job.err.splitlines() if "write_probe" in l][0].split("'")[1]
+    said, summary = _refused_at_start(job, ckpt, f"[Errno 30] Read-only file system: '{probe_file}'")
+    assert probe_file.startswith(f"{ckpt}/.megatron_grpo_write_probe.")
+    assert after == before and not (tmp_path / "m.jsonl").exists()
+    checkpointing.verify_checkpoint(checkpointing.iteration_dir(str(ckpt), 8))
+    table.row(GROUP, what, EXPECTED_AT_START,
+              f"refused before the model was built or checkpoint 8 read: rc {job.rc}; {summary}; each "
+              f"rank printed e.g. \"{said}\"; checkpoint 8 unchanged (sha256 of every file) and "
+              f"verified", ok=True)
+
+
+def test_directory_turning_read_only_mid_run(reference, tmp_path, table):
+    ckpt = _earlier_checkpoint(reference, tmp_path)
+    metrics = tmp_path / "m.jsonl"
+    what = ("--load D --save D, D a bind mount holding checkpoint 8, remounted read-only after "
+            "iteration 9 (EROFS at the save of 12)")
+    with mounted(table, what, ["mount", "--bind", str(ckpt), str(ckpt)]):
+        before = tree_digest(ckpt)
+        # 1 s before every iteration: the remount lands well before the save of 12.
+        running = start_job(tmp_path / "job", 2, [*reference["args"], "--load", ckpt, "--save", ckpt,
+                                                  "--save-interval", REF_SAVE_INTERVAL,
+                                                  "--metrics-file", metrics], faults=["slow:1"])
+        running.wait_for_records(str(metrics), 1, timeout=180)
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(ckpt)], check=True)
+        job = running.finish(timeout=180)
+        after = tree_digest(ckpt)
     assert "start_iter=8" in job.out
     assert after == before
     checkpointing.verify_checkpoint(checkpointing.iteration_dir(str(ckpt), 8))
-    line, one_line, named = _describe(job, ckpt)
-    assert named, job.err[-4000:]
-    logged = [r["iteration"] for r in read_metrics(tmp_path / "m.jsonl")]
+    logged = [r["iteration"] for r in read_metrics(metrics)]
+    errors = rank_errors(job.err)
+    tmp = checkpointing.iteration_dir(str(ckpt), 12) + ".tmp"
+    assert errors.get(0, "").endswith(
+        f": --save {ckpt}: saving iteration 12 failed on rank 0 (OSError: [Errno 30] Read-only file "
+        f"system: '{tmp}'). Free space on its filesystem or make it writable (or point --save "
+        f"elsewhere); its latest complete checkpoint, iteration 8, is intact: resume with --load "
+        f"{ckpt}."), job.err[-4000:]
+    assert "peer failure" in errors.get(1, ""), job.err[-4000:]  # rank 1 waited for rank 0
+    summary = torchrun_failure(job.err)
+    assert job.rc == 1 and logged == list(range(9, 12)) and not job.leftovers, job.err[-4000:]
     table.row(GROUP, what, EXPECTED,
               f"resumed from 8, trained {logged[0]}..{logged[-1]}, the save of 12 failed: rc {job.rc}; "
-              f"{torchrun_failure(job.err)}; "
-              + ("one-line error: " if one_line else "raw traceback, no one-line error: ")
-              + f"\"{line[:240]}\"; checkpoint 8 unchanged (sha256 of every file) "
-              f"and verified", ok=one_line)
+              f"{summary}; one-line error: \"{errors[0]}\"; rank 1: \"{errors[1][:120]}...\"; "
+              f"checkpoint 8 unchanged (sha256 of every file) and verified", ok=True)
 
 
 def test_full_disk_then_resume_after_space_is_freed(reference, tmp_path, table):
@@ -119,7 +158,7 @@ def test_full_disk_then_resume_after_space_is_freed(reference, tmp_path, table):
         assert (ckpt / checkpointing.TRACKER).read_text() == "4"
         checkpointing.verify_checkpoint(checkpointing.iteration_dir(str(ckpt), 4))
         left = sorted(p.name for p in ckpt.iterdir())
-        line, one_line, named = _describe(job, ckpt)
+        errors = rank_errors(job.err)
         # Make room (what an operator would do) and resume: checkpoint 4 must be as good as new.
         subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
         resumed_job = run_job(tmp_path / "resume", 2, [*reference["args"], "--load", ckpt, "--save", ckpt,
@@ -131,11 +170,20 @@ def test_full_disk_then_resume_after_space_is_freed(reference, tmp_path, table):
         assert [r["iteration"] for r in resumed] == list(range(5, REF_ITERS + 1))
         assert losses(resumed) == losses(reference["records"])[4:]
         assert not list(ckpt.glob("*.tmp"))
-    assert line, job.err[-4000:]
+    # The writer fails on every rank and every rank raises; rank 0 (the coordinator) holds each
+    # rank's cause: ENOSPC, or torch.save's zip writer failing on it ("unexpected pos ...").
+    tail = (f"Free space on its filesystem or make it writable (or point --save elsewhere); its "
+            f"latest complete checkpoint, iteration 4, is intact: resume with --load {ckpt}.")
+    said0, said1 = errors.get(0, ""), errors.get(1, "")
+    assert f": --save {ckpt}: saving iteration 8 failed on rank 0 (rank " in said0, job.err[-4000:]
+    assert ": Worker failure: [Errno 28] No space left on device" in said0 and said0.endswith(tail), said0
+    assert said1.endswith(f": --save {ckpt}: saving iteration 8 failed on rank 1 (the checkpoint writer "
+                          f"reported a failure; rank 0's error names the rank and the cause). {tail}"), said1
+    summary = torchrun_failure(job.err)
+    assert "exitcode 2" in summary, summary
     table.row(GROUP, what, EXPECTED,
-              f"the save of 8 failed: rc {job.rc}; {torchrun_failure(job.err)}; "
-              + ("one-line error: " if one_line else "raw traceback, no one-line error: ")
-              + f"\"{line[:240]}\"; left on disk: {', '.join(left)}; tracker "
+              f"the save of 8 failed: rc {job.rc}; {summary}; one-line error on each rank, rank 0's: "
+              f"\"{said0}\"; left on disk: {', '.join(left)}; tracker "
               f"still 4, checkpoint 4 verified; after remounting with 64 MB, --load resumed from 4 "
               f"and iterations 5..{REF_ITERS} were bit-identical (the partial iter_0000008.tmp was replaced)",
-              ok=one_line and named)
+              ok=True)

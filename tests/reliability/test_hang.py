@@ -14,14 +14,10 @@ SLACK_S = 20           # a loaded 2-core machine
 TORCHRUN_GRACE_S = 30  # torchrun waits this long after SIGTERM before SIGKILL
 
 CASES = {
-    # rank 1 stops before iteration 5: rank 0 waits in the step's data-parallel collectives
+    # rank 1 stops before iteration 5: rank 0 waits in the step's data-parallel collectives, on
+    # a group initialize_model_parallel made with --distributed-timeout-minutes (model_parallel_init)
     "data-parallel group": (["hang:1:5"], "rank 1 sleeps forever before iteration 5: rank 0 waits "
                             "in the step's gradient reduce-scatter (megatron's data-parallel group)"),
-    # the same, with the probe passing the timeout on to megatron's groups
-    "data-parallel group, timeout passed on": (
-        ["hang:1:5", f"group-timeout:{TIMEOUT_MIN}"],
-        "as above, with the fault probe passing --distributed-timeout-minutes on to megatron's "
-        "initialize_model_parallel (distributed_timeout_minutes), the change the gap needs"),
     # rank 1 stops after its step: rank 0 waits in the loop's SIGTERM agreement (world group)
     "world group": (["hang-after:1:4"], "rank 1 sleeps forever after the optimizer step of iteration 4: "
                     "rank 0 waits in the loop's per-iteration SIGTERM agreement (world group)"),
@@ -42,18 +38,6 @@ def test_rank_that_never_joins_a_collective(reference, tmp_path, table, case):
     said = first_line(job.err, "error (rank 0 on")
     expected = (f"rank 0 fails within the timeout (+{SLACK_S} s slack) with an error naming itself; "
                 f"the job ends")
-    if case == "data-parallel group":
-        # GAP: megatron_grpo's model_parallel_init calls initialize_model_parallel without
-        # distributed_timeout_minutes, so megatron's groups keep its 30 min default and
-        # --distributed-timeout-minutes only reaches the world group.
-        assert seen is None and job.rc is None, "the gap is fixed: update this row and its test"
-        table.row(GROUP, f"{tried}; --distributed-timeout-minutes {TIMEOUT_MIN}", expected,
-                  f"no error from rank 0 {bound:.0f} s after the hang; the job was still waiting when "
-                  f"the test killed it: megatron's data-parallel group was created by "
-                  f"initialize_model_parallel with its default 30 min timeout (model_parallel_init in "
-                  f"megatron_grpo/training/model.py does not pass distributed_timeout_minutes), so the "
-                  f"flag only bounds world-group collectives; see the next row for the fix", ok=False)
-        return
     assert seen is not None, f"rank 0 reported nothing within {bound} s:\n{job.text[-3000:]}"
     reported = seen - fault["time"]
     assert "peer failure" in said and "another rank died or stopped responding" in said, said

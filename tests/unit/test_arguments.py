@@ -33,6 +33,17 @@ def test_shipped_configs_parse():
     (["--hidden-size", "100", "--num-attention-heads", "3"], "--hidden-size (100) must be divisible by --num-attention-heads (3)"),
     (["--micro-batch-size", "0"], "--micro-batch-size must be a positive integer, got 0"),
     (["--lr", "1e-3", "--min-lr", "1e-2"], "--lr must be > 0 and 0 <= --min-lr <= --lr"),
+    (["--ffn-hidden-size", "-5"], "--ffn-hidden-size must be a positive integer, got -5"),
+    (["--ddp-bucket-size", "0"], "--ddp-bucket-size must be a positive integer, got 0"),
+    (["--lr-decay-iters", "0"], "--lr-decay-iters must be a positive integer, got 0"),
+    (["--init-method-std", "0"], "--init-method-std must be > 0, got 0.0"),
+    (["--init-method-std", "nan"], "--init-method-std must be > 0, got nan"),
+    (["--weight-decay", "-0.1"], "--weight-decay must be >= 0, got -0.1"),
+    (["--adam-beta1", "1"], "--adam-beta1 must be in [0, 1), got 1.0"),
+    (["--adam-beta2", "-0.5"], "--adam-beta2 must be in [0, 1), got -0.5"),
+    (["--adam-eps", "0"], "--adam-eps must be > 0, got 0.0"),
+    (["--seed", "-1"], "--seed must be an integer in [0, 2**32 - 1], got -1"),
+    (["--seed", "4294967296"], "--seed must be an integer in [0, 2**32 - 1], got 4294967296"),
     (["--split", "98,2"], "--split must be three non-negative numbers"),
     (["--save-interval", "10"], "--save-interval needs --save DIR"),
     (["--lr-decay-style", "step"], "--lr-decay-style must be cosine, linear or constant, got 'step'"),
@@ -138,3 +149,26 @@ def test_unknown_yaml_key_suggests_the_closest_in_the_files_spelling(tmp_path):
     wrong_type.write_text("seed: 1\nnum-layers: two\n")
     with pytest.raises(ConfigError, match=r"t.yaml:2: 'num-layers': expected int, got 'two'"):
         parse_args(["--config", str(wrong_type), *DATA])
+
+
+def test_range_edges_are_accepted():
+    cfg = parse_args(["--seed", "0", "--weight-decay", "0", "--adam-beta1", "0", "--adam-beta2", "0.999",
+                      "--ffn-hidden-size", "1", "--ddp-bucket-size", "1", "--lr-decay-iters", "1", *DATA])
+    assert (cfg.training.seed, cfg.optimizer.weight_decay, cfg.model.ffn_hidden_size) == (0, 0.0, 1)
+    assert parse_args(["--seed", str(2**32 - 1), *DATA]).training.seed == 2**32 - 1
+
+
+def test_yaml_str_fields_refuse_mappings_lists_and_booleans(tmp_path):
+    for i, (text, shown) in enumerate([("save: {a: 1}", "{'a': 1}"), ("run-name: [x, y]", "['x', 'y']"),
+                                       ("metrics_file: true", "True")]):
+        f = tmp_path / f"s{i}.yaml"
+        f.write_text(f"seed: 1\n{text}\n")
+        key = text.split(":")[0]
+        with pytest.raises(ConfigError) as err:
+            parse_args(["--config", str(f), *DATA])
+        assert str(err.value) == f"--config {f}:2: '{key}': expected str, got {shown}"
+    # Numbers are scalars written as text: a run named 2024, the weights of a data-path list.
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("run-name: 2024\ndata-path: [0.3, a, 0.7, b]\n")
+    cfg = parse_args(["--config", str(ok)])
+    assert cfg.logging.run_name == "2024" and cfg.data.data_path == ["0.3", "a", "0.7", "b"]
