@@ -53,6 +53,7 @@ def run(args, command: str) -> SuiteResult:
                          f"seed-to-seed spread: random - importance = {gain:+.2f} points, spread "
                          f"{F.fmt(spread, '.2f', ' %')}")
     res.notes += [f"{c.name}: {c.about}" for c in CONTENDERS]
+    res.notes.append(grid.load_note)
     res.data = {"summaries": grid.summaries, "compare": grid.compare, "baseline_spread_pct": spread}
     res.plots["validation loss vs baseline"] = plots.val_diff(
         {f"{n} s{s}": grid.compare[n][s]["val_diff_curve"] for n in ("importance", "random", "inverse")

@@ -33,7 +33,7 @@ CONTENDERS = [
 
 
 def run(args, command: str) -> SuiteResult:
-    spec, records, summaries, cmp, warmup = run_all("comm", args, DEFAULT_CONFIG, CONTENDERS)
+    spec, records, summaries, cmp, warmup, load = run_all("comm", args, DEFAULT_CONFIG, CONTENDERS)
     res = SuiteResult("comm", "Communication: baseline, GRPO compressors, everything-int4", command,
                       ["contender", "val loss", "vs baseline", "bytes/step after warm-up",
                        "ratio", "core / dynamic / stable KB", "whole-run ratio",
@@ -52,6 +52,7 @@ def run(args, command: str) -> SuiteResult:
     res.notes += [f"{c.name}: {c.about}" for c in CONTENDERS]
     res.notes.append(f"config {os.path.basename(spec.config)}; after warm-up = iterations > "
                      f"{warmup} (every GRPO run tiered), the same iterations for every run")
+    res.notes.append(load)
     res.data = {"summaries": summaries, "compare": cmp}
     res.plots["validation loss"] = plots.loss_curves(records, plot_path(spec, "loss.png"), "comm")
     res.plots["bytes per step"] = plots.wire_per_step(

@@ -36,7 +36,7 @@ CONTENDERS = [
 
 
 def run(args, command: str) -> SuiteResult:
-    spec, records, summaries, cmp, warmup = run_all("compute", args, DEFAULT_CONFIG, CONTENDERS)
+    spec, records, summaries, cmp, warmup, load = run_all("compute", args, DEFAULT_CONFIG, CONTENDERS)
     res = SuiteResult("compute", "Compute: rotating stable tier vs static freeze", command,
                       ["contender", "frozen share", "val loss", "vs baseline",
                        "fwd+bwd ms", "ratio", "optimizer ms", "ratio", "step ratio"])
@@ -53,6 +53,7 @@ def run(args, command: str) -> SuiteResult:
     res.notes += [f"{c.name}: {c.about}" for c in CONTENDERS]
     res.notes.append(f"times and frozen share: medians / means over iterations > {warmup} (every "
                      "GRPO run tiered), the same iterations for every run")
+    res.notes.append(load)
     res.data = {"summaries": summaries, "compare": cmp}
     res.plots["validation loss"] = plots.loss_curves(records, plot_path(spec, "loss.png"), "compute")
     res.plots["step time breakdown"] = plots.step_breakdown(summaries, plot_path(spec, "steps.png"),

@@ -56,6 +56,7 @@ def run(args, command: str) -> SuiteResult:
     res.notes.append(f"points at <= 0.15x bytes and <= +1 % validation: {', '.join(goal) or 'none'}")
     res.notes.append(f"seeds {', '.join(map(str, grid.seeds))}; baseline seed spread "
                      f"{F.fmt(grid.baseline_spread_pct(), '.2f', ' %')}")
+    res.notes.append(grid.load_note)
     res.data = {"points": points, "front": front, "summaries": grid.summaries}
     res.plots["bytes vs validation loss"] = plots.bytes_vs_quality(
         {(f"{n} *" if n in front else n): p for n, p in points.items()},

@@ -42,7 +42,7 @@ def contenders():
 def run(args, command: str) -> SuiteResult:
     cands = contenders()
     runnable = [c for c in cands if not c.skip]
-    spec, records, summaries, cmp, _ = run_all("memory", args, DEFAULT_CONFIG, runnable)
+    spec, records, summaries, cmp, _, load = run_all("memory", args, DEFAULT_CONFIG, runnable)
     res = SuiteResult("memory", "Memory by location: baseline and GRPO", command,
                       ["contender", "peak host RSS MB", "ratio", "peak device MB",
                        "GRPO residuals MB", "val loss"])
@@ -63,6 +63,7 @@ def run(args, command: str) -> SuiteResult:
     res.notes.append("GRPO residuals are inside the host RSS on a CPU run (they live where the "
                      "gradients live); offload bandwidth: no offload contender ran, so none is "
                      "plotted")
+    res.notes.append(load)
     res.data = {"summaries": summaries, "compare": cmp}
     res.plots["memory by location"] = plots.memory_by_location(
         rows, plot_path(spec, "memory.png"), "peak memory per rank")

@@ -8,11 +8,10 @@ Goal (issue 8): validation loss <= +1 % of the baseline's at <= 0.15x its wire b
 from __future__ import annotations
 
 import os
-from typing import Dict, List
-
 from megatron_grpo.bench import figures as F
 from megatron_grpo.bench import plots
-from megatron_grpo.bench.runner import CONFIGS, Contender, Runner, config_value
+from megatron_grpo.bench.runner import CONFIGS, Contender
+from megatron_grpo.bench.sidebyside import run_grid
 from megatron_grpo.bench.suite import SuiteResult
 
 DEFAULT_CONFIG = os.path.join(CONFIGS, "small.yaml")
@@ -27,25 +26,17 @@ CONTENDERS = [
 
 
 def run(args, command: str) -> SuiteResult:
-    seeds = args.seeds or DEFAULT_SEEDS
-    spec = args.spec(DEFAULT_CONFIG, "quality")
-    runner = Runner("quality", spec, len(seeds) * len(CONTENDERS))
-    records: Dict[str, Dict[int, List[Dict]]] = {c.name: {} for c in CONTENDERS}
-    for seed in seeds:
-        for c in CONTENDERS:
-            records[c.name][seed] = runner.run(f"{c.name}-s{seed}", c, ["--seed", str(seed)])
+    grid = run_grid("quality", args, DEFAULT_CONFIG, CONTENDERS, DEFAULT_SEEDS)
+    seeds, spec, records, warmup = grid.seeds, grid.spec, grid.records, grid.steady_from
     res = SuiteResult(
         "quality", "Quality at realistic length (~10 M parameters, baseline vs GRPO)", command,
         ["seed", "iterations", "baseline val", "GRPO val", "GRPO vs baseline",
          "diff at 25/50/75 % of the run", "bytes after warm-up", "bytes whole run",
          "step time ratio"])
-    warmup = F.steady_start([r for runs in records.values() for r in runs.values()],
-                            int(config_value(spec.config, "grpo-warmup-iters", spec.common) or 0))
     diffs, ratios = [], []
     for seed in seeds:
-        b = F.summarize(records["baseline"][seed], warmup)
-        g = F.summarize(records["grpo"][seed], warmup)
-        cmp = F.compare(g, b)
+        b, g = grid.summaries["baseline"][seed], grid.summaries["grpo"][seed]
+        cmp = grid.compare["grpo"][seed]
         res.data[f"seed{seed}"] = {"baseline": b, "grpo": g, "compare": cmp}
         n = b["iterations"]
         marks = [m for m in (n // 4, n // 2, 3 * n // 4)]
@@ -81,4 +72,5 @@ def run(args, command: str) -> SuiteResult:
     res.notes.append(f"config {os.path.basename(spec.config)}; bytes after warm-up = iterations "
                      f"> {warmup} (GRPO's exact warm-up steps left out), the same iterations for "
                      f"both runs")
+    res.notes.append(grid.load_note)
     return res

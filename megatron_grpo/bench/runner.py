@@ -120,6 +120,9 @@ class Runner:
         self.suite, self.spec, self.total = suite, spec, total_runs
         self.done = 0
         self.trained_s: List[float] = []
+        self.loads: Dict[str, List[float]] = {}
+        """Run name -> the machine's load averages (1, 5, 15 min) when the run ended: timings
+        taken with the load above the core count are not comparable, and the notes say so."""
         self.started = time.perf_counter()
         os.makedirs(spec.out, exist_ok=True)
 
@@ -152,6 +155,8 @@ class Runner:
         if self.spec.reuse and self._complete(metrics, cmd_file, cmd, iters):
             print(f"[bench {self.suite}] {run_name}: reusing the complete run in {metrics}",
                   flush=True)
+            with open(cmd_file) as fh:
+                self.loads[run_name] = json.load(fh).get("load", [])
             return read_records(metrics)
         port = str(_free_port())
         argv = [c.replace("{port}", port) for c in cmd]
@@ -170,13 +175,28 @@ class Runner:
                              f"Fix the cause and rerun: complete runs are reused")
         self.trained_s.append(time.perf_counter() - t0)
         with open(cmd_file + ".tmp", "w") as fh:
-            json.dump({"command": cmd, "iterations": iters, "code": code_fingerprint()}, fh)
+            self.loads[run_name] = list(os.getloadavg())
+            json.dump({"command": cmd, "iterations": iters, "code": code_fingerprint(),
+                       "load": self.loads[run_name]}, fh)
         os.replace(cmd_file + ".tmp", cmd_file)
         records = read_records(metrics)
         if not records or records[-1]["iteration"] != iters:
             raise BenchError(f"bench {self.suite}: run '{run_name}' exited 0 but {metrics} ends at "
                              f"iteration {records[-1]['iteration'] if records else 0} of {iters}")
         return records
+
+    def load_note(self) -> str:
+        """One line on how busy the machine was while the suite's runs trained."""
+        loads = [v[1] for v in self.loads.values() if len(v) > 1]  # 5-minute averages
+        if not loads:
+            return "machine load: not recorded for these runs"
+        cores = os.cpu_count() or 1
+        note = (f"machine load (5-min average at the end of each run): {min(loads):.1f}-"
+                f"{max(loads):.1f} on {cores} cores")
+        if max(loads) > cores:
+            note += ("; above the core count, so other jobs shared the CPU and step times are "
+                     "not comparable between runs (bytes and losses are unaffected)")
+        return note
 
     @staticmethod
     def _complete(metrics: str, cmd_file: str, cmd: List[str], iters: int) -> bool:

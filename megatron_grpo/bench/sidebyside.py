@@ -20,6 +20,7 @@ class Grid:
         self.summaries: Dict[str, Dict[int, Dict]] = {}
         self.compare: Dict[str, Dict[int, Dict]] = {}
         self.steady_from = 0
+        self.load_note = ""
 
     def mean(self, name: str, key: str) -> Optional[float]:
         """Mean over seeds of a comparison figure (e.g. val_loss_diff_pct)."""
@@ -48,6 +49,7 @@ def run_grid(suite: str, args, default_config: str, contenders: List[Contender],
         for c in todo:
             grid.records.setdefault(c.name, {})[seed] = runner.run(f"{c.name}-s{seed}", c,
                                                                    ["--seed", str(seed)])
+    grid.load_note = runner.load_note()
     grid.steady_from = F.steady_start(
         [r for runs in grid.records.values() for r in runs.values()],
         int(config_value(spec.config, "grpo-warmup-iters", spec.common) or 0))
@@ -62,13 +64,14 @@ def run_grid(suite: str, args, default_config: str, contenders: List[Contender],
 
 def run_all(suite: str, args, default_config: str, contenders: List[Contender]):
     """One seed (the first of --seeds, else the config's): (spec, records, summaries,
-    comparisons, steady-window start), each dict keyed by contender name."""
+    comparisons, steady-window start, machine-load note), dicts keyed by contender name."""
     spec = args.spec(default_config, suite)
     seed = (args.seeds or [int(config_value(spec.config, "seed", spec.common) or 1234)])[0]
     one = type(args)(**{**vars(args), "seeds": [seed]})
     grid = run_grid(suite, one, default_config, contenders, [seed])
     pick = lambda d: {n: v[seed] for n, v in d.items()}  # noqa: E731
-    return spec, pick(grid.records), pick(grid.summaries), pick(grid.compare), grid.steady_from
+    return (spec, pick(grid.records), pick(grid.summaries), pick(grid.compare), grid.steady_from,
+            grid.load_note)
 
 
 def plot_path(spec, name: str) -> str:
