@@ -163,3 +163,32 @@ def test_only_trains_the_named_contenders_under_the_suite_run_names(tmp_path, mo
                    ("quality", "grpo-s8", ["--grpo"], ["--seed", "8"])]
     assert cli.main(["comm", "--out", str(tmp_path), "--only", "nope"]) == 1
     assert cli.main(["all", "--out", str(tmp_path), "--only", "grpo"]) == 2
+
+
+def test_slowlink_reads_the_slow_link_summary_and_reports_a_missing_cluster(tmp_path, monkeypatch):
+    import argparse
+    import subprocess
+
+    from megatron_grpo.bench import slowlink
+
+    row = {"rate": "100mbit", "ratio_mean": 0.377,
+           "baseline": {"step_mean_s": 1.0, "counted_bytes_per_step": 4e6, "val_loss": 2.75},
+           "grpo": {"step_mean_s": 0.377, "counted_bytes_per_step": 1e6, "val_loss": 2.74}}
+
+    def fake_run(cmd, cwd=None):
+        out = cmd[cmd.index("--out") + 1]
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "summary.json"), "w") as fh:
+            json.dump({"rows": [row]}, fh)
+        assert cmd[cmd.index("--rate") + 1] == "100mbit"
+        return subprocess.CompletedProcess(cmd, rc[0])
+
+    rc = [0]
+    monkeypatch.setattr(slowlink.subprocess, "run", fake_run)
+    args = argparse.Namespace(out=str(tmp_path), rates=None, config=None, data_path="d",
+                              train_iters=None, seeds=None)
+    res = slowlink.run(args, "cmd")
+    assert res.rows == [["100mbit", "1.000", "0.377", "0.377", "0.250", "2.7500", "2.7400"]]
+    assert res.plots and res.skipped is None
+    rc[0] = 2   # bench_slow_link.py: the local cluster cannot be built here
+    assert "cannot be built" in slowlink.run(args, "cmd").skipped
