@@ -69,7 +69,9 @@ class GRPOConfig:
     compress_param_gather: bool = True
     """Send dynamic buckets' parameter updates quantised (owner keeps exact master weights)."""
     stable_interval: int = 10
-    """The stable tier is updated (wgrad, sync, optimizer step) every this many iterations."""
+    """The stable tier is updated (wgrad, sync, optimizer step) every this many iterations; 0
+    never updates it (the static-freeze ablation: units frozen at the first tiering stay frozen
+    until a re-tier moves them)."""
     stable_mode: str = "frozen"
     """frozen: no weight-gradient compute between updates; delayed: gradients accumulate locally."""
     gvr_interval: int = 10
@@ -112,7 +114,11 @@ class GRPOConfig:
                 f"{self.core_share} + {self.dynamic_share} + {self.stable_share} = {total:g}")
         if not self.bucket_mb > 0:
             fail("bucket_mb", "a positive number of MB", self.bucket_mb)
-        for name in ("retier_interval", "importance_interval", "stable_interval",
+        if isinstance(self.stable_interval, bool) or not isinstance(self.stable_interval, int) \
+                or self.stable_interval < 0:
+            fail("stable_interval", "an integer >= 0 (0: never, the static-freeze ablation)",
+                 self.stable_interval)
+        for name in ("retier_interval", "importance_interval",
                      "gvr_interval", "gvr_window", "compress_chunk"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:

@@ -12,11 +12,12 @@ Every tensor handed to a collective is created on ``device`` (NCCL serves CUDA t
 
 Schedule of iteration k (1-based):
 * k <= warmup_iters: every unit is core (megatron's exact collectives); importance is measured.
-* the first tiering happens at the start of iteration warmup_iters + 1 (no unit is stable yet);
-  each re-tiering ``retier_interval`` later happens at the start of the first iteration k with
-  (k-1) % stable_interval == 0, i.e. right after a stable update, so no delayed gradient is
-  pending when tiers change. A dynamic unit's error-feedback residual that
-  leaves the tier is carried into that unit's next sync (nothing is lost).
+* the first tiering, and each re-tiering ``retier_interval`` later, happens at the start of the
+  first iteration k with (k-1) % stable_interval == 0, i.e. right after a stable update, so no
+  delayed gradient is pending when tiers change (stable_interval 0, the static-freeze ablation:
+  stable units are never updated, and tiering waits for no boundary). A dynamic unit's
+  error-feedback residual that leaves the tier is carried into that unit's next sync (nothing
+  is lost).
 * stable units are updated (wgrad, exact sync, optimizer step) when k % stable_interval == 0;
   otherwise they are frozen (no wgrad, no communication, no optimizer work) or, in ``delayed``
   mode, their gradients accumulate locally.
@@ -229,12 +230,13 @@ class GRPOController:
         if k - 1 >= c.warmup_iters and (not self.tiered or
                                         (k - 1 - c.warmup_iters) % c.retier_interval == 0):
             self.retier_pending = True
-        if self.retier_pending and (not self.tiered or (k - 1) % c.stable_interval == 0):
+        never = c.stable_interval == 0  # static freeze: stable units are never updated
+        if self.retier_pending and (never or (k - 1) % c.stable_interval == 0):
             self._retier(k)
             self.retier_pending = False
         self.step = StepPlan(
             k=k,
-            stable_update=(k % c.stable_interval == 0) or not self.tiered,
+            stable_update=(not never and k % c.stable_interval == 0) or not self.tiered,
             measure_importance=(k % c.importance_interval == 0),
             measure_health=self.tiered and (k % c.gvr_interval == 0) and "dynamic" in self.replica_tiers,
         )

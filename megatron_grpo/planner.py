@@ -199,7 +199,8 @@ class TierTraffic:
 
     @property
     def stable_average(self) -> float:
-        return self.stable_update / self.stable_interval
+        # stable_interval 0 (static-freeze ablation): the stable tier never syncs.
+        return self.stable_update / self.stable_interval if self.stable_interval else 0.0
 
     @property
     def per_step(self) -> float:

@@ -29,7 +29,7 @@ CONTENDERS = [
     Contender("rotating-freeze", FREEZE_20, "GRPO's stable tier alone: 20 % frozen between "
               "updates every 10 steps, re-tiered; everything else exact"),
     Contender("static-freeze", [*FREEZE_20, "--grpo-retier-interval", NEVER,
-                                "--grpo-stable-interval", NEVER],
+                                "--grpo-stable-interval", "0"],
               "static freeze: the least important 20 % chosen after warm-up, never trained again; "
               "everything else exact"),
 ]

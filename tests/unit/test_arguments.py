@@ -57,7 +57,7 @@ def test_shipped_configs_parse():
     (["--grpo-core-share", "-0.1", "--grpo-dynamic-share", "0.9"], "--grpo-core-share must be in [0, 1], got -0.1"),
     (["--grpo-warmup-iters", "-1"], "--grpo-warmup-iters must be an integer >= 0, got -1"),
     (["--grpo-importance-interval", "0"], "--grpo-importance-interval must be a positive integer, got 0"),
-    (["--grpo-stable-interval", "-3"], "--grpo-stable-interval must be a positive integer, got -3"),
+    (["--grpo-stable-interval", "-3"], "--grpo-stable-interval must be an integer >= 0 (0: never, the static-freeze ablation), got -3"),
     (["--grpo-gvr-interval", "0"], "--grpo-gvr-interval must be a positive integer, got 0"),
     (["--grpo-gvr-window", "0"], "--grpo-gvr-window must be a positive integer, got 0"),
     (["--grpo-compress-chunk", "0"], "--grpo-compress-chunk must be a positive integer, got 0"),
