@@ -163,6 +163,8 @@ class Runner:
         run_env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                        PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1", **(env or {}))
         print(f"[bench {self.suite}] {shown}", flush=True)
+        if os.path.exists(cmd_file):  # the old run's record goes with the old run's metrics
+            os.remove(cmd_file)
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(argv, cwd=REPO, env=run_env, timeout=self.spec.timeout_s)
