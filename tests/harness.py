@@ -82,6 +82,30 @@ def run_probe(tmp_path, nproc: int, args: Sequence[str], timeout: int = 300) -> 
         return json.load(fh)
 
 
+def _run_rank(worker, rank, port, queue):
+    """One spawned rank: ``worker`` and then an immediate exit once its results are flushed.
+
+    Why not a normal interpreter exit: once (CI, stop 15) a rank that had delivered all of its
+    results and destroyed its process groups died at interpreter teardown with SIGABRT
+    ("terminate called without an active exception" -- a c10d/gloo C++ thread still joinable
+    while static objects were destroyed). That teardown is torch's, not the code under test, and
+    it turned a passing test into a failure. A worker's own failure still shows: its traceback is
+    printed and the rank exits 1."""
+    import traceback
+
+    try:
+        worker(rank, port, queue)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    queue.close()
+    queue.join_thread()  # every result reaches the parent before the process ends
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def spawn_ranks(worker, nranks: int = 2, timeout: int = 120) -> list:
     """Run ``worker(rank, port, queue)`` in ``nranks`` spawned processes (a gloo group on
     loopback); returns what each put on the queue, in arrival order."""
@@ -90,7 +114,7 @@ def spawn_ranks(worker, nranks: int = 2, timeout: int = 120) -> list:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, port, queue)) for r in range(nranks)]
+    procs = [ctx.Process(target=_run_rank, args=(worker, r, port, queue)) for r in range(nranks)]
     for p in procs:
         p.start()
     results = [queue.get(timeout=timeout) for _ in procs]
