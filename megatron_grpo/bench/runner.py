@@ -113,8 +113,36 @@ def read_records(path: str) -> List[Dict]:
     return records
 
 
+# Flags that name where a run writes, not what it trains: two commands that differ only in these
+# train the same model bit for bit (same code, same machine), so one run can serve both.
+OUTPUT_FLAGS = ("--metrics-file", "--run-name", "--tensorboard-dir")
+
+
+def training_key(cmd: Sequence[str]) -> str:
+    """Hash of what a command trains: the command without its output flags (and without the
+    torchrun port), plus the training code's fingerprint."""
+    import hashlib
+
+    kept, skip = [], False
+    for i, c in enumerate(cmd):
+        if skip:
+            skip = False
+            continue
+        if c in OUTPUT_FLAGS or (c == "--master_port" and i + 1 < len(cmd)):
+            skip = True
+            continue
+        kept.append(c)
+    blob = json.dumps({"command": kept, "code": code_fingerprint()})
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
 class Runner:
-    """Runs a suite's contenders one after another and prints a progress line with ETA."""
+    """Runs a suite's contenders one after another and prints a progress line with ETA.
+
+    Complete runs are indexed by :func:`training_key` in ``<out>/../runs-index`` (next to the
+    suites' directories), so a contender another suite already trained with the same flags
+    (the baseline and GRPO defaults of ``ablation`` and ``front``, say) is copied, not retrained.
+    """
 
     def __init__(self, suite: str, spec: RunSpec, total_runs: int) -> None:
         self.suite, self.spec, self.total = suite, spec, total_runs
@@ -125,6 +153,7 @@ class Runner:
         taken with the load above the core count are not comparable, and the notes say so."""
         self.started = time.perf_counter()
         os.makedirs(spec.out, exist_ok=True)
+        self.index = os.path.join(os.path.dirname(os.path.abspath(spec.out)), "runs-index")
 
     def command(self, run_name: str, contender: Contender, extra: Sequence[str] = ()) -> List[str]:
         metrics = os.path.join(self.spec.out, f"{run_name}.jsonl")
@@ -157,6 +186,9 @@ class Runner:
                   flush=True)
             with open(cmd_file) as fh:
                 self.loads[run_name] = json.load(fh).get("load", [])
+            self._add_to_index(cmd, metrics, cmd_file)
+            return read_records(metrics)
+        if self.spec.reuse and self._copy_from_index(cmd, metrics, cmd_file, iters):
             return read_records(metrics)
         port = str(_free_port())
         argv = [c.replace("{port}", port) for c in cmd]
@@ -185,7 +217,39 @@ class Runner:
         if not records or records[-1]["iteration"] != iters:
             raise BenchError(f"bench {self.suite}: run '{run_name}' exited 0 but {metrics} ends at "
                              f"iteration {records[-1]['iteration'] if records else 0} of {iters}")
+        self._add_to_index(cmd, metrics, cmd_file)
         return records
+
+    def _add_to_index(self, cmd: List[str], metrics: str, cmd_file: str) -> None:
+        os.makedirs(self.index, exist_ok=True)
+        entry = os.path.join(self.index, training_key(cmd) + ".json")
+        with open(entry + ".tmp", "w") as fh:
+            json.dump({"metrics": os.path.abspath(metrics), "cmd_file": os.path.abspath(cmd_file)}, fh)
+        os.replace(entry + ".tmp", entry)
+
+    def _copy_from_index(self, cmd: List[str], metrics: str, cmd_file: str, iters: int) -> bool:
+        """Copy a complete run of the same training key (another suite's) into this run's files."""
+        import shutil
+
+        try:
+            with open(os.path.join(self.index, training_key(cmd) + ".json")) as fh:
+                entry = json.load(fh)
+            with open(entry["cmd_file"]) as fh:
+                saved = json.load(fh)
+        except (OSError, json.JSONDecodeError, KeyError):
+            return False
+        if not self._complete(entry["metrics"], entry["cmd_file"], saved.get("command", []), iters) \
+                or training_key(saved["command"]) != training_key(cmd):
+            return False
+        shutil.copyfile(entry["metrics"], metrics + ".tmp")
+        os.replace(metrics + ".tmp", metrics)
+        with open(cmd_file + ".tmp", "w") as fh:
+            json.dump({**saved, "command": cmd, "copied_from": entry["metrics"]}, fh)
+        os.replace(cmd_file + ".tmp", cmd_file)
+        self.loads[os.path.basename(metrics)[:-len(".jsonl")]] = saved.get("load", [])
+        print(f"[bench {self.suite}] same training as {entry['metrics']}: copied, not retrained",
+              flush=True)
+        return True
 
     def load_note(self) -> str:
         """One line on how busy the machine was while the suite's runs trained."""

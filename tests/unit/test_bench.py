@@ -192,3 +192,27 @@ def test_slowlink_reads_the_slow_link_summary_and_reports_a_missing_cluster(tmp_
     assert res.plots and res.skipped is None
     rc[0] = 2   # bench_slow_link.py: the local cluster cannot be built here
     assert "cannot be built" in slowlink.run(args, "cmd").skipped
+
+
+def test_a_run_of_the_same_training_is_copied_across_suites_not_retrained(tmp_path):
+    spec_a = runner.RunSpec(out=str(tmp_path / "a"), config="c.yaml", data_path="d")
+    spec_b = runner.RunSpec(out=str(tmp_path / "b"), config="c.yaml", data_path="d")
+    base = runner.Contender("baseline", [])
+    ra, rb = runner.Runner("a", spec_a, 1), runner.Runner("b", spec_b, 1)
+    cmd_a = ra.command("baseline-s1", base, ["--seed", "1"])
+    cmd_b = rb.command("base-s1", base, ["--seed", "1"])
+    assert cmd_a != cmd_b and runner.training_key(cmd_a) == runner.training_key(cmd_b)
+    assert runner.training_key(cmd_a) != runner.training_key(ra.command("x", base, ["--seed", "2"]))
+    metrics = tmp_path / "a" / "baseline-s1.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in _records(10, lambda i: 1)))
+    cmd_file = tmp_path / "a" / "baseline-s1.cmd.json"
+    cmd_file.write_text(json.dumps({"command": cmd_a, "code": runner.code_fingerprint(), "load": [1, 2, 3]}))
+    ra._add_to_index(cmd_a, str(metrics), str(cmd_file))
+    dst, dst_cmd = str(tmp_path / "b" / "base-s1.jsonl"), str(tmp_path / "b" / "base-s1.cmd.json")
+    assert not rb._copy_from_index(cmd_b, dst, dst_cmd, 12)  # another length: not the same run
+    assert rb._copy_from_index(cmd_b, dst, dst_cmd, 10)
+    assert runner.read_records(dst) == runner.read_records(str(metrics))
+    assert runner.Runner._complete(dst, dst_cmd, cmd_b, 10)  # now this suite's own complete run
+    # A source that no longer matches (retrained by other code, or torn) is not copied.
+    cmd_file.write_text(json.dumps({"command": cmd_a, "code": "other"}))
+    assert not rb._copy_from_index(cmd_b, dst + "2", dst_cmd + "2", 10)
