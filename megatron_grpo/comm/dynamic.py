@@ -39,7 +39,36 @@ def _used_on_current_stream(*tensors) -> None:
             t.record_stream(torch.cuda.current_stream(t.device))
 
 
-class CompressedReduceScatter:
+class InFlightReduceScatter:
+    """What every in-flight dynamic-tier reduce-scatter shares: ``wait()`` waits for the payload
+    exchange, marks the side-stream buffers as used on the current stream, lets the subclass
+    write this rank's shard (``_finish``), then puts the exactly-reduced replicated elements back.
+    Subclasses set ``work``, ``grad``, ``replicated``, ``exact``, ``exact_work`` and ``done``."""
+
+    work = exact_work = exact = replicated = None
+    done = False
+
+    def _side_stream_buffers(self) -> tuple:
+        raise NotImplementedError
+
+    def _finish(self) -> None:
+        raise NotImplementedError
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        if self.work is not None:
+            self.work.wait()
+        _used_on_current_stream(*self._side_stream_buffers(), self.exact)
+        self._finish()
+        if self.replicated is not None:
+            if self.exact_work is not None:
+                self.exact_work.wait()
+            self.replicated.put(self.grad, self.exact)
+        self.done = True
+
+
+class CompressedReduceScatter(InFlightReduceScatter):
     """One in-flight compressed reduce-scatter of one bucket; ``wait()`` finishes it.
 
     ``stats(applied, owed)``, when given, receives this rank's delivered values D(q) and what it
@@ -74,20 +103,13 @@ class CompressedReduceScatter:
         if not async_op:
             self.wait()
 
-    def wait(self) -> None:
-        if self.done:
-            return
-        if self.work is not None:
-            self.work.wait()
-        _used_on_current_stream(self.send, self.recv, self.exact)
+    def _side_stream_buffers(self) -> tuple:
+        return self.send, self.recv
+
+    def _finish(self) -> None:
         # The local shard view held this rank's own gradient; it is replaced by the sum of what
         # every rank (this one included) delivered for it.
         self.compressor.decompress_rows_sum(self.recv, self.shard_len, out=self.shard_out)
-        if self.replicated is not None:
-            if self.exact_work is not None:
-                self.exact_work.wait()
-            self.replicated.put(self.grad, self.exact)
-        self.done = True
 
 
 def compressed_param_gather(param_flat: torch.Tensor, staged_master: torch.Tensor,

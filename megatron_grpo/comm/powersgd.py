@@ -28,7 +28,7 @@ from typing import Callable, ContextManager, Dict, Hashable, List, Optional, Tup
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.comm.dynamic import _used_on_current_stream
+from megatron_grpo.comm.dynamic import InFlightReduceScatter
 from megatron_grpo.comm.error_feedback import ErrorFeedback
 from megatron_grpo.comm.replicated import ReplicatedElements, bucket_ranges
 
@@ -118,7 +118,7 @@ def _orthonormal(p: torch.Tensor) -> torch.Tensor:
     return torch.linalg.qr(p, mode="reduced").Q
 
 
-class PowerSGDReduceScatter:
+class PowerSGDReduceScatter(InFlightReduceScatter):
     """One in-flight PowerSGD reduce of one bucket; ``wait()`` finishes it (the Q all-reduce runs
     there, inside ``tag()`` so its bytes are attributed to the dynamic tier)."""
 
@@ -155,12 +155,10 @@ class PowerSGDReduceScatter:
         if not async_op:
             self.wait()
 
-    def wait(self) -> None:
-        if self.done:
-            return
-        if self.work is not None:
-            self.work.wait()
-        _used_on_current_stream(self.p, self.q_in, self.exact)  # made on the side stream (GPU)
+    def _side_stream_buffers(self) -> tuple:
+        return self.p, self.q_in  # made on the side stream (GPU)
+
+    def _finish(self) -> None:
         c, layout = self.grad, self.layout
         applied = torch.zeros_like(c)   # this rank's own delivered values (monitoring, residual)
         reduced = torch.zeros_like(c)   # the group's sum, of which this rank keeps its shard
@@ -191,8 +189,3 @@ class PowerSGDReduceScatter:
         reduced.index_copy_(0, layout.exact_index, self.p[po:])
         shard = c.numel() // self.dp
         self.shard_out.copy_(reduced[self.rank * shard:(self.rank + 1) * shard])
-        if self.replicated is not None:
-            if self.exact_work is not None:
-                self.exact_work.wait()
-            self.replicated.put(self.grad, self.exact)
-        self.done = True

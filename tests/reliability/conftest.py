@@ -162,6 +162,10 @@ def write_doc(path: str = DOC) -> None:
         "rank that cannot finish its iteration: torchrun waits 30 s, SLURM KillWait (default 30 s);",
         "a save that needs longer does not fit in the grace.",
         "",
+        "NaN/Inf through the probe option (`tests/multiproc/grpo_probe.py --probe-inf`, delayed stable",
+        "mode too, accumulator and carry digests checked) is tested in the default suite, not here:",
+        "`tests/multiproc/test_grpo.py::test_non_finite_gradient_skips_the_step_and_keeps_grpo_state`.",
+        "",
         "| scenario | rows | as expected | GAP | test failed |",
         "|---|---|---|---|---|",
     ]

@@ -1,15 +1,15 @@
 """NaN and Inf in one gradient element of one rank, in a unit of each GRPO tier: the step is
 skipped on every rank and nothing moves (parameters, error-feedback residuals); training goes on.
 
-The fast test injects all six (NaN and Inf x core, dynamic, stable) in one run through
-fault_probe.py; the slow one runs the existing probe option (tests/multiproc/grpo_probe.py
---probe-inf ITER:TIER, the injection of test_grpo.py's non-finite test) once per tier."""
+The test injects all six (NaN and Inf x core, dynamic, stable) in one run through
+fault_probe.py. The probe option of tests/multiproc/grpo_probe.py (--probe-inf ITER:TIER, one Inf
+per run, delayed stable mode too) is tested in tests/multiproc/test_grpo.py, not repeated here."""
 
 import math
 
 import pytest
 
-from harness import GRPO_SMALL, SMALL_MODEL, read_metrics, run_probe
+from harness import GRPO_SMALL, SMALL_MODEL, read_metrics
 from reliability_harness import run_job
 
 GROUP = "NaN/Inf in a gradient of each tier"
@@ -65,27 +65,3 @@ def test_nan_and_inf_in_every_tier_skip_the_step_and_keep_state(stdlib_data, tmp
                   f"{len(normal)} other iterations stepped normally, losses finite, parameters "
                   f"bit-identical across ranks")
 
-
-@pytest.mark.reliability_slow
-@pytest.mark.parametrize("inject,mode", [("12:core", "frozen"), ("13:dynamic", "frozen"),
-                                         ("16:stable", "delayed")])
-def test_existing_probe_inf_option_per_tier(stdlib_data, tmp_path, table, inject, mode):
-    it = int(inject.split(":")[0])
-    metrics = tmp_path / "m.jsonl"
-    probe = run_probe(tmp_path, 2, [*SMALL_MODEL, *GRPO_SMALL, "--data-path", stdlib_data,
-                                    "--train-iters", "18", "--eval-iters", "0", "--eval-interval", "18",
-                                    "--grpo-stable-mode", mode, "--probe-inf", inject,
-                                    "--metrics-file", str(metrics)])
-    m = read_metrics(metrics)
-    assert [r["iteration"] for r in m if r["skipped"]] == [it]
-    for rank in probe["ranks"]:
-        before, at = rank[it - 2], rank[it - 1]
-        assert at["skipped"] and at["injected"] is not None
-        assert at["digest"] == before["digest"] and at["ef_digest"] == before["ef_digest"]
-        assert at["accum_digest"] == before["accum_digest"] and at["carry_digest"] == before["carry_digest"]
-        assert not any(r["skipped"] for r in rank[it:])
-    table.row(GROUP, f"tests/multiproc/grpo_probe.py --probe-inf {inject} (Inf on rank 1), "
-                     f"--grpo-stable-mode {mode}",
-              "step skipped; parameters, residuals, accumulators, carries unchanged",
-              f"only iteration {it} skipped; parameter, residual, accumulator and carry digests equal "
-              f"to the previous step's on both ranks; no later step skipped")
