@@ -1,0 +1,84 @@
+"""OffloadConfig: the settings of the memory tier's chunk store (issue 10, item 1).
+
+Not on the command line yet: the names in the comments (``--grpo-offload-dir`` ...) are the flags
+these fields will become when the store is wired into training. ``validate()`` names the field,
+the accepted values and the value it got.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+MB = 1 << 20
+ALIGN = 4096  # file slot / O_DIRECT alignment in bytes: a page, and the usual logical block size
+FALLBACKS = ("error", "cpu")
+IO_MODES = ("direct", "buffered")
+
+
+class OffloadConfigError(ValueError):
+    """An offload setting is out of range; the message names the field and the accepted values."""
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass
+class OffloadConfig:
+    """Chunk store of the memory tier: host-memory and SSD copies of fixed-size tensor chunks."""
+
+    chunk_mb: float = 128.0
+    """Chunk size in MB (2**20 bytes). A registered tensor is cut into chunks of this many bytes;
+    its last chunk may be shorter. Must come to a whole multiple of 4096 bytes (0.25 is fine)."""
+    offload_dir: Optional[str] = None
+    """Directory for the SSD tier (future --grpo-offload-dir): one preallocated file per rank,
+    grpo-offload-rankNNNNN.bin. Use a local disk; None means no SSD tier."""
+    fallback: str = "error"
+    """What happens when the SSD file cannot be created (missing, unwritable or too small
+    directory): error raises at construction; cpu warns and keeps SSD-bound chunks in host
+    memory."""
+    io_workers: int = 2
+    """Background threads doing the copies and file I/O. Two keep a read and a write in flight."""
+    staging_buffers: int = 2
+    """Reusable host buffers of one chunk each used for file I/O; host memory for staging is at
+    most staging_buffers x chunk size, whatever the number of chunks in flight."""
+    capacity: int = 0
+    """Bytes of the SSD file, allocated up front (rounded up to 4096). Needed when offload_dir is
+    set; each chunk on SSD takes its length rounded up to 4096."""
+    io_mode: str = "direct"
+    """File I/O: direct (O_DIRECT, no page cache; falls back to buffered where the filesystem
+    refuses it) or buffered (page cache, no fsync). The default is the faster one measured in
+    docs/offload.md."""
+
+    @property
+    def chunk_bytes(self) -> int:
+        return int(round(self.chunk_mb * MB))
+
+    def validate(self) -> "OffloadConfig":
+        def fail(field: str, accepted: str, value) -> None:
+            raise OffloadConfigError(f"OffloadConfig.{field} must be {accepted}, got {value!r}")
+
+        if isinstance(self.chunk_mb, bool) or not isinstance(self.chunk_mb, (int, float)) \
+                or not self.chunk_mb > 0:
+            fail("chunk_mb", "a positive number of MB", self.chunk_mb)
+        if self.chunk_bytes % ALIGN or abs(self.chunk_mb * MB - self.chunk_bytes) > 0.5:
+            fail("chunk_mb", f"a whole multiple of {ALIGN} bytes ({ALIGN / MB:g} MB)",
+                 self.chunk_mb)
+        if self.offload_dir is not None and (not isinstance(self.offload_dir, str)
+                                             or not self.offload_dir):
+            fail("offload_dir", "a directory path or None", self.offload_dir)
+        if self.fallback not in FALLBACKS:
+            fail("fallback", "one of " + ", ".join(FALLBACKS), self.fallback)
+        if self.io_mode not in IO_MODES:
+            fail("io_mode", "one of " + ", ".join(IO_MODES), self.io_mode)
+        for name in ("io_workers", "staging_buffers"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                fail(name, "an integer >= 1", value)
+        if not _is_int(self.capacity) or self.capacity < 0:
+            fail("capacity", "an integer number of bytes >= 0", self.capacity)
+        if self.offload_dir is not None and self.capacity == 0:
+            fail("capacity", "> 0 bytes when offload_dir is set (the SSD file is allocated up "
+                 "front)", self.capacity)
+        return self

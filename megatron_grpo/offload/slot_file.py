@@ -1,0 +1,297 @@
+"""The SSD tier's file (one preallocated file per rank, cut into 4096-aligned extents) and the
+bounded pool of aligned host buffers that every transfer to or from it goes through.
+
+Why it looks like this (pains users of other offload engines report):
+- the name is deterministic per rank (grpo-offload-rank00003.bin), so a rerun finds and replaces
+  its own file instead of leaving unreloadable swap files behind; an exclusive flock stops two
+  live jobs sharing one;
+- the size is allocated up front with posix_fallocate, so "disk full" is found at construction,
+  not in the middle of a run, and the file is never a wrong-size sparse file;
+- every extent starts on a 4096 boundary and is a multiple of 4096 long, so O_DIRECT works; a
+  chunk that is not a multiple of 4096 is zero-padded in the file and read back at its exact
+  length by the caller, so nothing is truncated to the block size;
+- reads and writes loop over short transfers and raise on end-of-file, never return partial data;
+- staging buffers are few and reused, so pinned host memory cannot grow with the work in flight.
+"""
+
+from __future__ import annotations
+
+import bisect
+import errno
+import fcntl
+import mmap
+import os
+import stat
+import threading
+from contextlib import contextmanager
+from typing import List, Optional, Tuple
+
+import torch
+
+from .config import ALIGN
+
+SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+ACCESS_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+class OffloadError(RuntimeError):
+    """Base of every error the chunk store raises; the message says what to do."""
+
+
+class OffloadDirError(OffloadError):
+    """The offload directory cannot hold this rank's file (missing, not a directory, unwritable,
+    too small, or in use by another process)."""
+
+
+class OffloadCapacityError(OffloadError):
+    """The preallocated file has no free extent left for a chunk."""
+
+
+def align_up(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def file_name(rank: int) -> str:
+    return f"grpo-offload-rank{rank:05d}.bin"
+
+
+def _bytes_text(nbytes: int) -> str:
+    if nbytes >= 1 << 30:
+        return f"{nbytes} bytes ({nbytes / (1 << 30):.1f} GiB)"
+    return f"{nbytes} bytes ({nbytes / (1 << 20):.1f} MiB)"
+
+
+def _dir_error(directory: str, rank: int, needed: int, problem: str) -> OffloadDirError:
+    return OffloadDirError(
+        f"offload (rank {rank}): cannot use offload directory {directory!r} for the SSD tier: "
+        f"{problem}. This rank needs {_bytes_text(needed)} there for {file_name(rank)}. Set "
+        f"--grpo-offload-dir (OffloadConfig.offload_dir) to a writable local disk with that much "
+        f"free space, or use --grpo-offload-fallback cpu to keep these chunks in host memory.")
+
+
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset``, looping over short writes (the tests patch this)."""
+    done = 0
+    while done < len(data):
+        n = os.pwrite(fd, data[done:], offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, f"pwrite returned {n} at offset {offset + done}")
+        done += n
+
+
+def pread_all(fd: int, into: memoryview, offset: int) -> None:
+    """Fill ``into`` from ``offset``, looping over short reads; end of file is an error."""
+    done = 0
+    while done < len(into):
+        n = os.preadv(fd, [into[done:]], offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, f"unexpected end of file at offset {offset + done} "
+                                     f"({len(into) - done} bytes missing): the file was truncated")
+        done += n
+
+
+def aligned_buffer(nbytes: int) -> mmap.mmap:
+    """Anonymous memory is page-aligned, which is what O_DIRECT needs."""
+    return mmap.mmap(-1, max(nbytes, ALIGN))
+
+
+def host_tensor(nbytes: int, pinned: bool) -> torch.Tensor:
+    """Host memory for copies and staging: pinned when CUDA is there (async-capable copies)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+
+
+class StagingPool:
+    """At most ``count`` reusable, 4096-aligned host buffers of ``nbytes`` each.
+
+    Buffers are made on first need and kept; ``peak_in_use`` and ``allocated`` are the
+    instrumentation the tests read."""
+
+    def __init__(self, count: int, nbytes: int, pinned: bool):
+        self.count, self.nbytes, self.pinned = count, nbytes, pinned
+        self.allocated = 0
+        self.in_use = 0
+        self.peak_in_use = 0
+        self._free: List[torch.Tensor] = []
+        self._cond = threading.Condition()
+
+    def _new_buffer(self) -> torch.Tensor:
+        # over-allocate by one alignment unit and slice, so the buffer start suits O_DIRECT
+        # for pinned and ordinary memory alike
+        raw = host_tensor(self.nbytes + ALIGN, self.pinned)
+        start = (-raw.data_ptr()) % ALIGN
+        return raw[start:start + self.nbytes]
+
+    @contextmanager
+    def buffer(self):
+        with self._cond:
+            while not self._free and self.allocated >= self.count:
+                self._cond.wait()
+            buf = self._free.pop() if self._free else None
+            if buf is None:
+                self.allocated += 1  # reserve the slot, allocate outside the lock
+            self.in_use += 1
+            self.peak_in_use = max(self.peak_in_use, self.in_use)
+        try:
+            if buf is None:
+                buf = self._new_buffer()
+            yield buf
+        finally:
+            with self._cond:
+                self.in_use -= 1
+                if buf is not None:
+                    self._free.append(buf)
+                else:
+                    self.allocated -= 1  # allocation itself failed
+                self._cond.notify()
+
+
+def _open_direct(path: str) -> Tuple[Optional[int], str]:
+    """An O_DIRECT descriptor of ``path`` if the filesystem accepts it, else (None, why not).
+
+    Some filesystems refuse the flag at open (EINVAL), others only at the first transfer, so one
+    aligned block is written and read back before the mode is trusted."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None, "O_DIRECT is not available on this platform"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | flag)
+    except OSError as exc:
+        return None, f"open with O_DIRECT failed: {exc}"
+    probe = aligned_buffer(ALIGN)
+    try:
+        pwrite_all(fd, memoryview(probe), 0)
+        pread_all(fd, memoryview(probe), 0)
+    except OSError as exc:
+        os.close(fd)
+        return None, f"an aligned O_DIRECT transfer failed: {exc}"
+    finally:
+        probe.close()
+    return fd, ""
+
+
+class ExtentAllocator:
+    """First-fit allocation of aligned extents in [0, size), coalescing freed neighbours.
+
+    Chunks are mostly one size, so first-fit keeps the file dense without a smarter scheme."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.used = 0
+        self._free: List[Tuple[int, int]] = [(0, size)] if size else []  # sorted (offset, length)
+
+    def allocate(self, nbytes: int) -> Optional[int]:
+        length = align_up(nbytes)
+        for i, (offset, free) in enumerate(self._free):
+            if free >= length:
+                if free == length:
+                    del self._free[i]
+                else:
+                    self._free[i] = (offset + length, free - length)
+                self.used += length
+                return offset
+        return None
+
+    def release(self, offset: int, nbytes: int) -> None:
+        length = align_up(nbytes)
+        i = bisect.bisect_left(self._free, (offset, 0))
+        self._free.insert(i, (offset, length))
+        self.used -= length
+        # merge with the right neighbour, then the left one
+        if i + 1 < len(self._free) and offset + length == self._free[i + 1][0]:
+            self._free[i] = (offset, length + self._free.pop(i + 1)[1])
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == offset:
+            prev_offset, prev_length = self._free[i - 1]
+            self._free[i - 1] = (prev_offset, prev_length + self._free.pop(i)[1])
+
+
+class SlotFile:
+    """This rank's preallocated offload file. Thread-safe: pread/pwrite carry their offsets."""
+
+    def __init__(self, directory: str, rank: int, capacity: int, io_mode: str = "direct"):
+        self.directory = directory
+        self.rank = rank
+        self.size = align_up(capacity)
+        self.path = os.path.join(directory, file_name(rank))
+        self.direct_fallback_reason = ""
+        self._check_directory()
+        try:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            problem = "it is not writable" if exc.errno in ACCESS_ERRNOS else "cannot create a file"
+            raise _dir_error(directory, rank, self.size, f"{problem} ({exc})") from exc
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(self._fd)  # the file belongs to the process holding the lock: leave it
+            raise _dir_error(directory, rank, self.size,
+                             f"{self.path} is in use by another process (two jobs with the same "
+                             f"offload directory and rank?)") from exc
+        try:
+            self._allocate()
+            self._io_fd, self.io_mode = self._fd, "buffered"
+            if io_mode == "direct":
+                direct_fd, why = _open_direct(self.path)
+                if direct_fd is None:
+                    self.direct_fallback_reason = why
+                else:
+                    self._io_fd, self.io_mode = direct_fd, "direct"
+        except BaseException:
+            # we hold the lock, so the file (new or a stale one of an earlier run) is ours
+            os.close(self._fd)
+            _unlink_quietly(self.path)
+            raise
+        self.extents = ExtentAllocator(self.size)
+        self.closed = False
+
+    def _check_directory(self) -> None:
+        try:
+            mode = os.stat(self.directory).st_mode
+        except FileNotFoundError as exc:
+            raise _dir_error(self.directory, self.rank, self.size, "it does not exist") from exc
+        except NotADirectoryError as exc:
+            raise _dir_error(self.directory, self.rank, self.size,
+                             "a component of the path is a regular file, not a directory") from exc
+        except OSError as exc:
+            raise _dir_error(self.directory, self.rank, self.size, f"stat failed ({exc})") from exc
+        if not stat.S_ISDIR(mode):
+            raise _dir_error(self.directory, self.rank, self.size, "it is not a directory")
+
+    def _allocate(self) -> None:
+        # Drop a stale file's content first so its old blocks do not count against the new size.
+        os.ftruncate(self._fd, 0)
+        try:
+            os.posix_fallocate(self._fd, 0, self.size)
+        except OSError as exc:
+            if exc.errno not in SPACE_ERRNOS:
+                raise _dir_error(self.directory, self.rank, self.size,
+                                 f"allocating the file failed ({exc})") from exc
+            vfs = os.statvfs(self.directory)
+            free = _bytes_text(vfs.f_bavail * vfs.f_frsize)
+            raise _dir_error(self.directory, self.rank, self.size,
+                             f"not enough space ({free} free; {exc})") from exc
+
+    def write(self, data: memoryview, offset: int) -> None:
+        """Write an aligned, padded extent (len(data) a multiple of 4096)."""
+        pwrite_all(self._io_fd, data, offset)
+
+    def read(self, into: memoryview, offset: int) -> None:
+        pread_all(self._io_fd, into, offset)
+
+    def close(self, remove: bool = True) -> None:
+        """Close the descriptors and (by default) delete the file: its content is scratch that
+        no later run can use."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._io_fd != self._fd:
+            os.close(self._io_fd)
+        if remove:
+            _unlink_quietly(self.path)  # before the lock goes, so no other process loses its file
+        os.close(self._fd)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,359 @@
+"""ChunkStore: fixed-size chunks of flat tensors moved between device, host memory and SSD.
+
+A registered tensor keeps its storage; the store only moves copies of its chunks. A chunk's
+*location* is where its one valid copy is: ``device`` (the tensor itself), ``cpu`` (a host copy,
+pinned when CUDA is available) or ``ssd`` (an extent of this rank's preallocated file). After an
+evict completes the device bytes of that chunk are the caller's to reuse; ``prefetch`` writes the
+chunk back into exactly those bytes, bit for bit.
+
+Every move runs on a small thread pool and returns a Future; moves of one chunk run in the order
+they were asked for (each is chained behind the previous one), moves of different chunks run in
+parallel. The caller never blocks: workers wait for a staging buffer, and there are at most
+``staging_buffers`` of them, so host memory used for staging is bounded whatever is in flight.
+
+A move that fails leaves the chunk where it was, valid; its error is set on the Future and kept
+for ``check()``/``wait_all()``, so nothing fails silently. Not wired into training yet: placement
+by tier, budgets and metrics are the next items of issue 10 (docs/offload.md).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+import warnings
+import zlib
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+
+from .config import OffloadConfig
+from .slot_file import (OffloadCapacityError, OffloadDirError, OffloadError, SlotFile,
+                        StagingPool, align_up, host_tensor)
+
+LOCATIONS = ("device", "cpu", "ssd")
+DIRECTIONS = ("device_to_cpu", "cpu_to_device", "to_ssd", "from_ssd")
+
+
+class OffloadIOError(OffloadError):
+    """A background move failed (disk full, I/O error ...); the chunk stayed where it was."""
+
+
+class OffloadChecksumError(OffloadError):
+    """A chunk read back from the file does not match the checksum taken when it was written."""
+
+
+@dataclass
+class _Chunk:
+    id: int
+    name: str
+    index: int
+    count: int  # chunks of this tensor
+    view: torch.Tensor  # uint8 view of the chunk's bytes in the registered tensor
+    location: str = "device"
+    host: Optional[torch.Tensor] = None
+    offset: Optional[int] = None  # file offset while on ssd
+    crc: Optional[int] = None
+    tail: Optional[cf.Future] = None  # the last move asked for; the next one chains behind it
+
+    @property
+    def nbytes(self) -> int:
+        return self.view.numel()
+
+    def describe(self) -> str:
+        return (f"chunk {self.id} (tensor {self.name!r}, chunk {self.index + 1} of {self.count}, "
+                f"{self.nbytes} bytes)")
+
+
+class ChunkStore:
+    """Device / host / SSD chunk store of one rank. See the module docstring and docs/offload.md."""
+
+    def __init__(self, config: OffloadConfig, rank: Optional[int] = None):
+        self.config = config.validate()
+        if rank is None:
+            dist = torch.distributed
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"offload: ChunkStore(rank=...) must be an integer >= 0, got {rank!r}")
+        self.rank = rank
+        self.chunk_bytes = config.chunk_bytes
+        self.pinned = torch.cuda.is_available()
+        self.ssd_fallback = ""
+        self.file: Optional[SlotFile] = None
+        if config.offload_dir is not None:
+            try:
+                self.file = SlotFile(config.offload_dir, rank, config.capacity, config.io_mode)
+            except OffloadDirError as exc:
+                if config.fallback != "cpu":
+                    raise
+                self.ssd_fallback = str(exc)
+                warnings.warn(f"{exc} Falling back: chunks evicted to ssd stay in host memory.")
+        self._staging = StagingPool(config.staging_buffers, self.chunk_bytes, self.pinned)
+        self._chunks: Dict[int, _Chunk] = {}
+        self._names: Dict[str, List[int]] = {}
+        self._lock = threading.Lock()
+        self._pending: set = set()
+        self._errors: List[BaseException] = []
+        self._bytes = {d: 0 for d in DIRECTIONS}
+        self._seconds = {d: 0.0 for d in DIRECTIONS}
+        self._pool = cf.ThreadPoolExecutor(config.io_workers,
+                                           thread_name_prefix=f"grpo-offload-r{rank}")
+        self._closed = False
+
+    # ---- registration and queries -------------------------------------------------------
+    def register(self, name: str, tensor: torch.Tensor) -> List[int]:
+        """Cut a contiguous tensor into chunks (in place: no copy) and return their ids."""
+        self._check_open()
+        if name in self._names:
+            raise ValueError(f"offload: a tensor named {name!r} is already registered")
+        if not tensor.is_contiguous():
+            raise ValueError(f"offload: tensor {name!r} must be contiguous to be chunked")
+        # chunk_bytes is a multiple of 4096, so chunk boundaries never split an element
+        raw = tensor.detach().reshape(-1).view(torch.uint8)
+        count = -(-raw.numel() // self.chunk_bytes)
+        ids = []
+        with self._lock:
+            for index in range(count):
+                chunk_id = len(self._chunks)
+                start = index * self.chunk_bytes
+                view = raw[start:start + self.chunk_bytes]
+                self._chunks[chunk_id] = _Chunk(chunk_id, name, index, count, view)
+                ids.append(chunk_id)
+            self._names[name] = ids
+        return ids
+
+    def chunks(self, name: str) -> List[int]:
+        return list(self._names[name])
+
+    def location(self, chunk_id: int) -> str:
+        """Where the chunk's valid copy is now (moves still in flight are not counted)."""
+        return self._chunk(chunk_id).location
+
+    def chunk_info(self, chunk_id: int) -> dict:
+        c = self._chunk(chunk_id)
+        return {"id": c.id, "name": c.name, "index": c.index, "nbytes": c.nbytes,
+                "location": c.location, "file_offset": c.offset, "crc32": c.crc}
+
+    # ---- moves --------------------------------------------------------------------------
+    def evict(self, chunk_id: int, to: str = "cpu") -> cf.Future:
+        """Move the chunk's valid copy to host memory (``cpu``) or the file (``ssd``)."""
+        if to not in ("cpu", "ssd"):
+            raise ValueError(f"offload: evict(to=...) must be 'cpu' or 'ssd', got {to!r}")
+        if to == "ssd" and self.file is None:
+            if not self.ssd_fallback:
+                raise ValueError("offload: evict(to='ssd') needs OffloadConfig.offload_dir "
+                                 "(--grpo-offload-dir); none is set")
+            to = "cpu"  # fallback='cpu' after the file could not be made
+        return self._schedule(self._chunk(chunk_id), to)
+
+    def prefetch(self, chunk_id: int) -> cf.Future:
+        """Bring the chunk back into its bytes of the registered tensor."""
+        return self._schedule(self._chunk(chunk_id), "device")
+
+    def wait_all(self, timeout: Optional[float] = None) -> None:
+        """Wait for every move asked for so far, then raise the first unreported error."""
+        with self._lock:
+            pending = list(self._pending)
+        cf.wait(pending, timeout=timeout)
+        self.check()
+
+    def check(self) -> None:
+        """Raise the oldest background error not yet raised here (each is raised once)."""
+        with self._lock:
+            error = self._errors.pop(0) if self._errors else None
+        if error is not None:
+            raise error
+
+    def _schedule(self, chunk: _Chunk, target: str) -> cf.Future:
+        self._check_open()
+        result: cf.Future = cf.Future()
+        with self._lock:
+            previous, chunk.tail = chunk.tail, result
+            self._pending.add(result)
+        result.add_done_callback(self._forget)
+
+        def start(_previous=None) -> None:
+            try:
+                self._pool.submit(self._run, chunk, target, result)
+            except RuntimeError as exc:  # pool already shut down: report, do not drop
+                if result.set_running_or_notify_cancel():
+                    result.set_exception(OffloadError(f"offload (rank {self.rank}): "
+                                                      f"store closed before {chunk.describe()} "
+                                                      f"could move to {target}: {exc}"))
+
+        if previous is None:
+            start()
+        else:
+            previous.add_done_callback(start)  # runs at once if previous is already done
+        return result
+
+    def _forget(self, future: cf.Future) -> None:
+        with self._lock:
+            self._pending.discard(future)
+
+    def _run(self, chunk: _Chunk, target: str, result: cf.Future) -> None:
+        if not result.set_running_or_notify_cancel():
+            return
+        source = chunk.location
+        try:
+            self._move(chunk, target)
+        except BaseException as exc:  # noqa: B902 - every failure must reach the caller
+            if not isinstance(exc, OffloadError):
+                where = self.file.path if self.file is not None else "host memory"
+                error = OffloadIOError(
+                    f"offload (rank {self.rank}): moving {chunk.describe()} from {source} to "
+                    f"{target} ({where}) failed: {exc!r}. The chunk is still valid in {source}. "
+                    f"If the disk is full or failing, free space or set --grpo-offload-dir "
+                    f"(OffloadConfig.offload_dir) to another local disk, or use "
+                    f"--grpo-offload-fallback cpu.")
+                error.__cause__ = exc
+            else:
+                error = exc
+            with self._lock:
+                self._errors.append(error)
+            result.set_exception(error)
+        else:
+            result.set_result(chunk.location)
+
+    def _move(self, chunk: _Chunk, target: str) -> None:
+        # Runs on a worker; moves of one chunk never overlap (chained), so the chunk's fields
+        # are read without the lock and committed under it, only after the data is in place.
+        source = chunk.location
+        if source == target:
+            return
+        if target == "cpu":
+            host = host_tensor(chunk.nbytes, self.pinned)
+            if source == "device":
+                with self._timed("device_to_cpu", chunk.nbytes):
+                    host.copy_(chunk.view)
+            else:
+                self._read(chunk, host)
+            self._commit(chunk, "cpu", host=host)
+        elif target == "ssd":
+            self._write(chunk, chunk.view if source == "device" else chunk.host)
+        else:
+            if source == "cpu":
+                with self._timed("cpu_to_device", chunk.nbytes):
+                    chunk.view.copy_(chunk.host)
+            else:
+                self._read(chunk, chunk.view)
+            self._commit(chunk, "device")
+
+    def _write(self, chunk: _Chunk, source: torch.Tensor) -> None:
+        nbytes, padded = chunk.nbytes, align_up(chunk.nbytes)
+        with self._lock:
+            offset = self.file.extents.allocate(nbytes)
+            used, size = self.file.extents.used, self.file.size
+        if offset is None:
+            raise OffloadCapacityError(
+                f"offload (rank {self.rank}): no room for {chunk.describe()} in {self.file.path}: "
+                f"{used} of {size} bytes in use, {padded} more needed. Raise the SSD capacity "
+                f"(OffloadConfig.capacity) or evict fewer chunks to ssd; the chunk stays in "
+                f"{chunk.location}.")
+        try:
+            with self._staging.buffer() as buf, self._timed("to_ssd", padded):
+                buf[:nbytes].copy_(source)
+                buf[nbytes:padded].zero_()  # padding is written too: never leak stale bytes
+                view = memoryview(buf.numpy())
+                crc = zlib.crc32(view[:nbytes])
+                self.file.write(view[:padded], offset)
+        except BaseException:
+            with self._lock:
+                self.file.extents.release(offset, nbytes)
+            raise
+        self._commit(chunk, "ssd", offset=offset, crc=crc)
+
+    def _read(self, chunk: _Chunk, into: torch.Tensor) -> None:
+        nbytes, padded = chunk.nbytes, align_up(chunk.nbytes)
+        with self._staging.buffer() as buf, self._timed("from_ssd", padded):
+            view = memoryview(buf.numpy())
+            self.file.read(view[:padded], chunk.offset)
+            crc = zlib.crc32(view[:nbytes])
+            if crc != chunk.crc:
+                raise OffloadChecksumError(
+                    f"offload (rank {self.rank}): checksum mismatch reading {chunk.describe()} "
+                    f"from {self.file.path} at offset {chunk.offset}: crc32 {crc:#010x}, written "
+                    f"as {chunk.crc:#010x}. The file was changed or the disk returned bad data; "
+                    f"the chunk cannot be recovered from this store. Check the disk (dmesg, "
+                    f"smartctl), move --grpo-offload-dir to another disk, and restart from the "
+                    f"last checkpoint.")
+            into.copy_(buf[:nbytes])
+
+    def _commit(self, chunk: _Chunk, location: str, host: Optional[torch.Tensor] = None,
+                offset: Optional[int] = None, crc: Optional[int] = None) -> None:
+        with self._lock:
+            if chunk.location == "ssd" and location != "ssd":
+                self.file.extents.release(chunk.offset, chunk.nbytes)
+            chunk.location, chunk.host, chunk.offset, chunk.crc = location, host, offset, crc
+
+    @contextmanager
+    def _timed(self, direction: str, nbytes: int):
+        start = time.perf_counter()
+        yield
+        with self._lock:
+            self._seconds[direction] += time.perf_counter() - start
+            self._bytes[direction] += nbytes
+
+    # ---- bookkeeping --------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Counters since construction. Bytes and seconds are per direction; seconds are worker
+        busy time summed over workers (they can add up to more than wall time)."""
+        with self._lock:
+            resident = {loc: 0 for loc in LOCATIONS}
+            for c in self._chunks.values():
+                resident[c.location] += c.nbytes
+            return {
+                "rank": self.rank,
+                "file": self.file.path if self.file is not None else None,
+                "io_mode": self.file.io_mode if self.file is not None else None,
+                "direct_fallback_reason": self.file.direct_fallback_reason if self.file else "",
+                "ssd_fallback": self.ssd_fallback,
+                "ssd_capacity_bytes": self.file.size if self.file is not None else 0,
+                "ssd_used_bytes": self.file.extents.used if self.file is not None else 0,
+                "bytes": dict(self._bytes),
+                "seconds": dict(self._seconds),
+                "ssd_bytes_written": self._bytes["to_ssd"],
+                "ssd_bytes_read": self._bytes["from_ssd"],
+                "resident_bytes": resident,
+                "staging": {"count": self._staging.count, "buffer_bytes": self._staging.nbytes,
+                            "allocated": self._staging.allocated,
+                            "peak_in_use": self._staging.peak_in_use},
+                "pinned": self.pinned,
+                "pending": len(self._pending),
+            }
+
+    def _chunk(self, chunk_id: int) -> _Chunk:
+        try:
+            return self._chunks[chunk_id]
+        except KeyError:
+            raise KeyError(f"offload: no chunk with id {chunk_id} ({len(self._chunks)} chunks "
+                           f"are registered, ids from 0)") from None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"offload (rank {self.rank}): the chunk store is closed")
+
+    def close(self) -> None:
+        """Finish the moves in flight, join the workers, close and delete the file. Idempotent.
+
+        Chunks still on cpu/ssd are dropped: prefetch what you need first. Errors of the last
+        moves are not raised here; call ``wait_all()`` before ``close()`` to see them."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            pending = list(self._pending)
+        cf.wait(pending)
+        self._pool.shutdown(wait=True)
+        if self.file is not None:
+            self.file.close()
+        for c in self._chunks.values():
+            c.host = None
+
+    def __enter__(self) -> "ChunkStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
