@@ -50,6 +50,12 @@ def summarize(records: List[Dict], steady_from: int = 0) -> Dict:
         "loss_start": records[0]["loss"],
         "loss_end": statistics.mean(r["loss"] for r in records[-10:]),
         "val_loss": vals[-1][1] if vals else None,
+        # Mean training loss over the second half of the run. Each batch's loss is measured
+        # before the step that trains on it, and these runs see under one epoch, so this is a
+        # held-out measurement too -- over hundreds of batches instead of one evaluation's few,
+        # paired batch for batch with the baseline of the same seed (the same data order).
+        "late_loss": statistics.mean(r["loss"] for r in records
+                                     if r["iteration"] > records[-1]["iteration"] // 2),
         "val_curve": vals,
         "step_time_s": _median([r["step_time_s"] for r in timed]),
         "optimizer_time_s": _median([r.get("optimizer_time_s", 0.0) for r in timed]),
@@ -107,6 +113,8 @@ def compare(run: Dict, base: Dict) -> Dict:
     out = {
         "val_loss_diff_pct": (100 * (run["val_loss"] / base["val_loss"] - 1)
                               if run.get("val_loss") and base.get("val_loss") else None),
+        "late_loss_diff_pct": (100 * (run["late_loss"] / base["late_loss"] - 1)
+                               if run.get("late_loss") and base.get("late_loss") else None),
         "wire_ratio": ratio("wire_bytes_per_step"),
         "steady_wire_ratio": ratio("steady_wire_bytes_per_step"),
         "step_time_ratio": ratio("step_time_s"),

@@ -148,8 +148,9 @@ def ratio_bars(values: Dict[str, float], path: str, title: str, ylabel: str,
 
 
 def bytes_vs_quality(points: Dict[str, tuple], path: str, title: str,
-                     bytes_goal: float = 0.15, val_goal_pct: float = 1.0) -> str:
-    """Each contender at (bytes relative to the baseline, validation loss vs baseline in %)."""
+                     bytes_goal: float = 0.15, val_goal_pct: float = 1.0,
+                     ylabel: str = "validation loss vs baseline (%)") -> str:
+    """Each contender at (bytes relative to the baseline, loss vs baseline in %)."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, (x, y) in points.items():
         if x is None or y is None:
@@ -159,7 +160,7 @@ def bytes_vs_quality(points: Dict[str, tuple], path: str, title: str,
     ax.axvline(bytes_goal, color="g", ls="--", lw=0.8, label=f"{bytes_goal}x bytes goal")
     ax.axhline(val_goal_pct, color="r", ls="--", lw=0.8, label=f"+{val_goal_pct:g} % quality goal")
     ax.set(title=title, xlabel="bytes per step after warm-up / baseline",
-           ylabel="validation loss vs baseline (%)", xscale="log")
+           ylabel=ylabel, xscale="log")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     return _save(fig, path)

@@ -216,3 +216,24 @@ def test_a_run_of_the_same_training_is_copied_across_suites_not_retrained(tmp_pa
     # A source that no longer matches (retrained by other code, or torn) is not copied.
     cmd_file.write_text(json.dumps({"command": cmd_a, "code": "other"}))
     assert not rb._copy_from_index(cmd_b, dst + "2", dst_cmd + "2", 10)
+
+
+def test_ranking_verdict_uses_the_spread_of_the_gap_not_of_the_baseline():
+    from megatron_grpo.bench.ablation import ranking_verdict
+
+    # The figures of the 1,000-step tiny ablation: a win on one seed, a tie on the other.
+    v = ranking_verdict({1234: 1.37, 4321: 2.21}, {1234: 3.47, 4321: 2.19})
+    assert v.startswith("importance ranking does NOT beat") and "+1.04 points" in v
+    assert "seed 4321 -0.02" in v and "spread of the gap over seeds 1.28 points" in v
+    v = ranking_verdict({1: 0.5, 2: 0.6}, {1: 3.0, 2: 3.2})
+    assert v.startswith("importance ranking beats"), v
+    assert ranking_verdict({1: 0.5}, {1: 3.0}).startswith("importance ranking does NOT beat")  # one seed
+    assert ranking_verdict({1: None}, {1: 3.0}) == ""
+
+
+def test_late_loss_is_the_paired_mean_of_the_second_half():
+    base = _records(20, lambda i: 1000)          # loss 5.0 - 0.1 i
+    run = [dict(r, loss=r["loss"] * 1.02 if r["iteration"] > 10 else r["loss"]) for r in base]
+    b, g = F.summarize(base), F.summarize(run)
+    assert b["late_loss"] == pytest.approx(sum(5.0 - 0.1 * i for i in range(11, 21)) / 10)
+    assert F.compare(g, b)["late_loss_diff_pct"] == pytest.approx(2.0)  # first half left out
