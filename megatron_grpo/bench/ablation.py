@@ -20,12 +20,8 @@ from megatron_grpo.bench.sidebyside import plot_path, run_grid
 from megatron_grpo.bench.suite import SuiteResult
 
 DEFAULT_CONFIG = os.path.join(CONFIGS, "tiny.yaml")
-
-LATE_LOSS_NOTE = ("late loss: mean training loss over the second half of the run, against the "
-                  "baseline of the same seed (the same batches in the same order). These runs see "
-                  "under one epoch, so every batch is unseen when its loss is taken: a held-out "
-                  "figure over hundreds of batches, steadier than the final evaluation's few")
 DEFAULT_SEEDS = [1234, 4321]
+
 
 CONTENDERS = [
     Contender("baseline", [], "megatron-core, exact"),
@@ -75,7 +71,7 @@ def run(args, command: str) -> SuiteResult:
                                   {s: grid.compare["random"][s].get(key) for s in seeds})
         if verdict:
             res.notes.append(f"{what}: {verdict}")
-    res.notes.append(LATE_LOSS_NOTE)
+    res.notes.append(F.LATE_LOSS_NOTE)
     res.notes += [f"{c.name}: {c.about}" for c in CONTENDERS]
     res.notes.append(grid.load_note)
     res.notes.append(f"the baseline's own validation loss differs by {F.fmt(spread, '.2f', ' %')} "

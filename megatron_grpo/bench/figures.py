@@ -12,6 +12,11 @@ from typing import Dict, List, Optional, Sequence
 
 TIERS = ("core", "dynamic", "stable")
 
+LATE_LOSS_NOTE = ("late loss: mean training loss over the second half of the run, against the "
+                  "baseline of the same seed (the same batches in the same order). These runs see "
+                  "under one epoch, so every batch is unseen when its loss is taken: a held-out "
+                  "figure over hundreds of batches, steadier than the final evaluation's few")
+
 
 def _median(xs: Sequence[float]) -> Optional[float]:
     xs = [x for x in xs if x is not None]

@@ -9,7 +9,6 @@ from typing import Dict, List, Tuple
 
 from megatron_grpo.bench import figures as F
 from megatron_grpo.bench import plots
-from megatron_grpo.bench.ablation import LATE_LOSS_NOTE
 from megatron_grpo.bench.comm import ALL_DYNAMIC
 from megatron_grpo.bench.runner import CONFIGS, Contender
 from megatron_grpo.bench.sidebyside import plot_path, run_grid
@@ -81,7 +80,7 @@ def run(args, command: str) -> SuiteResult:
                 and all(_at_most(grid.compare[n][s].get(key), 1.0) for s in grid.seeds)]
         res.notes.append(f"points at <= 0.15x bytes and <= +1 % {what} on every seed: "
                          f"{', '.join(goal) or 'none'}")
-    res.notes.append(LATE_LOSS_NOTE)
+    res.notes.append(F.LATE_LOSS_NOTE)
     res.notes.append(f"seeds {', '.join(map(str, grid.seeds))}; baseline seed spread "
                      f"{F.fmt(grid.baseline_spread_pct(), '.2f', ' %')}")
     res.notes.append(grid.load_note)

@@ -31,7 +31,7 @@ def run(args, command: str) -> SuiteResult:
     res = SuiteResult(
         "quality", "Quality at realistic length (~10 M parameters, baseline vs GRPO)", command,
         ["seed", "iterations", "baseline val", "GRPO val", "GRPO vs baseline",
-         "diff at 25/50/75 % of the run", "bytes after warm-up", "bytes whole run",
+         "diff at 25/50/75 % of the run", "late loss vs baseline", "bytes after warm-up", "bytes whole run",
          "step time ratio"])
     diffs, ratios = [], []
     for seed in seeds:
@@ -44,6 +44,7 @@ def run(args, command: str) -> SuiteResult:
               for m in marks]
         res.rows.append([seed, n, F.fmt(b["val_loss"], ".4f"), F.fmt(g["val_loss"], ".4f"),
                          F.fmt(cmp["val_loss_diff_pct"], "+.2f", " %"), " / ".join(at),
+                         F.fmt(cmp.get("late_loss_diff_pct"), "+.2f", " %"),
                          F.fmt(cmp["steady_wire_ratio"], ".3f", "x"),
                          F.fmt(cmp["wire_ratio"], ".3f", "x"),
                          F.fmt(cmp["step_time_ratio"], ".3f")])
@@ -69,6 +70,7 @@ def run(args, command: str) -> SuiteResult:
         f"goal: validation <= +{VAL_GOAL_PCT:g} % at <= {BYTES_GOAL}x bytes (after warm-up): "
         f"worst seed {F.fmt(worst, '+.2f', ' %')} at {F.fmt(bytes_, '.3f', 'x')}: "
         f"{'MET' if met else 'MISSED'}")
+    res.notes.append(F.LATE_LOSS_NOTE)
     res.notes.append(f"config {os.path.basename(spec.config)}; bytes after warm-up = iterations "
                      f"> {warmup} (GRPO's exact warm-up steps left out), the same iterations for "
                      f"both runs")
