@@ -26,25 +26,30 @@ def _core(share: float) -> List[str]:
             "--grpo-max-dynamic-share", "0.75"]
 
 
+# Measured when frozen was the default stable mode; named explicitly so the command retrains the
+# same runs now that the default is delayed.
+FROZEN = ["--grpo-stable-mode", "frozen"]
+_NO_CORE = ["--grpo-core-share", "0", "--grpo-dynamic-share", "0.8", "--grpo-max-dynamic-share", "0.8"]
+
 CONTENDERS = [Contender("baseline", [], "megatron-core, exact"),
-              Contender("default", ["--grpo"], "GRPO defaults")]
-CONTENDERS += [Contender(f"core-{int(100 * s)}", ["--grpo", *_core(s)], f"core share {s:g}")
+              Contender("default", ["--grpo", *FROZEN], "GRPO defaults before issue 9 (frozen stable)")]
+CONTENDERS += [Contender(f"core-{int(100 * s)}", ["--grpo", *_core(s), *FROZEN], f"core share {s:g}")
                for s in (0.05, 0.25)]
-CONTENDERS += [Contender(f"stable-every-{n}", ["--grpo", "--grpo-stable-interval", str(n)],
+CONTENDERS += [Contender(f"stable-every-{n}", ["--grpo", "--grpo-stable-interval", str(n), *FROZEN],
                          f"stable updated every {n}") for n in (5, 50)]
 CONTENDERS += [Contender("delayed", ["--grpo", "--grpo-stable-mode", "delayed"],
                          "delayed stable: gradients accumulate locally, synced every 10"),
-               Contender("int8", ["--grpo", "--grpo-compressor", "int8"], "int8 dynamic tier"),
-               Contender("topk", ["--grpo", "--grpo-compressor", "topk"], "top-k 5 % dynamic tier"),
+               Contender("int8", ["--grpo", "--grpo-compressor", "int8", *FROZEN], "int8 dynamic tier"),
+               Contender("topk", ["--grpo", "--grpo-compressor", "topk", *FROZEN], "top-k 5 % dynamic tier"),
                Contender("core-5-delayed", ["--grpo", *_core(0.05), "--grpo-stable-mode", "delayed"],
                          "core share 0.05 and delayed stable"),
-               Contender("no-core-delayed", ["--grpo", "--grpo-core-share", "0", "--grpo-dynamic-share",
-                                             "0.8", "--grpo-max-dynamic-share", "0.8",
-                                             "--grpo-stable-mode", "delayed"],
+               Contender("no-core", ["--grpo", *_NO_CORE, *FROZEN], "no exact core: 80 % int4, the 20 % "
+                         "least important frozen-stable"),
+               Contender("no-core-delayed", ["--grpo", *_NO_CORE, "--grpo-stable-mode", "delayed"],
                          "no exact core: 80 % int4, the 20 % least important delayed-stable"),
-               Contender("powersgd", ["--grpo", "--grpo-compressor", "powersgd"],
+               Contender("powersgd", ["--grpo", "--grpo-compressor", "powersgd", *FROZEN],
                          "PowerSGD rank-4 dynamic tier (the comm suite's peer)"),
-               Contender("all-int4", ["--grpo", *ALL_DYNAMIC],
+               Contender("all-int4", ["--grpo", *ALL_DYNAMIC, *FROZEN],
                          "no tiers: every unit int4 with error feedback (the comm suite's peer)")]
 
 
