@@ -188,7 +188,7 @@ class Runner:
                 self.loads[run_name] = json.load(fh).get("load", [])
             self._add_to_index(cmd, metrics, cmd_file)
             return read_records(metrics)
-        if self.spec.reuse and self._copy_from_index(cmd, metrics, cmd_file, iters):
+        if self.spec.reuse and self._copy_from_index(run_name, cmd, metrics, cmd_file, iters):
             return read_records(metrics)
         port = str(_free_port())
         argv = [c.replace("{port}", port) for c in cmd]
@@ -227,7 +227,8 @@ class Runner:
             json.dump({"metrics": os.path.abspath(metrics), "cmd_file": os.path.abspath(cmd_file)}, fh)
         os.replace(entry + ".tmp", entry)
 
-    def _copy_from_index(self, cmd: List[str], metrics: str, cmd_file: str, iters: int) -> bool:
+    def _copy_from_index(self, run_name: str, cmd: List[str], metrics: str, cmd_file: str,
+                         iters: int) -> bool:
         """Copy a complete run of the same training key (another suite's) into this run's files."""
         import shutil
 
@@ -246,7 +247,7 @@ class Runner:
         with open(cmd_file + ".tmp", "w") as fh:
             json.dump({**saved, "command": cmd, "copied_from": entry["metrics"]}, fh)
         os.replace(cmd_file + ".tmp", cmd_file)
-        self.loads[os.path.basename(metrics)[:-len(".jsonl")]] = saved.get("load", [])
+        self.loads[run_name] = saved.get("load", [])
         print(f"[bench {self.suite}] same training as {entry['metrics']}: copied, not retrained",
               flush=True)
         return True

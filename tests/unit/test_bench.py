@@ -209,13 +209,14 @@ def test_a_run_of_the_same_training_is_copied_across_suites_not_retrained(tmp_pa
     cmd_file.write_text(json.dumps({"command": cmd_a, "code": runner.code_fingerprint(), "load": [1, 2, 3]}))
     ra._add_to_index(cmd_a, str(metrics), str(cmd_file))
     dst, dst_cmd = str(tmp_path / "b" / "base-s1.jsonl"), str(tmp_path / "b" / "base-s1.cmd.json")
-    assert not rb._copy_from_index(cmd_b, dst, dst_cmd, 12)  # another length: not the same run
-    assert rb._copy_from_index(cmd_b, dst, dst_cmd, 10)
+    assert not rb._copy_from_index("base-s1", cmd_b, dst, dst_cmd, 12)  # another length: not the same run
+    assert rb._copy_from_index("base-s1", cmd_b, dst, dst_cmd, 10)
     assert runner.read_records(dst) == runner.read_records(str(metrics))
+    assert rb.loads == {"base-s1": [1, 2, 3]}  # the source run's machine load, under this run's name
     assert runner.Runner._complete(dst, dst_cmd, cmd_b, 10)  # now this suite's own complete run
     # A source that no longer matches (retrained by other code, or torn) is not copied.
     cmd_file.write_text(json.dumps({"command": cmd_a, "code": "other"}))
-    assert not rb._copy_from_index(cmd_b, dst + "2", dst_cmd + "2", 10)
+    assert not rb._copy_from_index("base-s1", cmd_b, dst + "2", dst_cmd + "2", 10)
 
 
 def test_ranking_verdict_uses_the_spread_of_the_gap_not_of_the_baseline():

@@ -37,6 +37,17 @@ def make_tensors():
     }, big
 
 
+def ssd_round_trip(store, ids, t):
+    """Every chunk of ``t`` to the file and back, with ``t`` zeroed in between."""
+    for i in ids:
+        store.evict(i, "ssd")
+    store.wait_all()
+    t.zero_()
+    for i in ids:
+        store.prefetch(i)
+    store.wait_all()
+
+
 def store_for(tmp_path, rank=0, **kw):
     kw.setdefault("capacity", 16 << 20)
     return ChunkStore(OffloadConfig(chunk_mb=CHUNK / (1 << 20), offload_dir=str(tmp_path), **kw),
@@ -285,13 +296,7 @@ def test_short_reads_and_writes_are_looped_until_complete(tmp_path, monkeypatch)
         ids = store.register("w", t)
         monkeypatch.setattr(slot_file.os, "pwrite", short_pwrite)
         monkeypatch.setattr(slot_file.os, "preadv", short_preadv)
-        for i in ids:
-            store.evict(i, "ssd")
-        store.wait_all()
-        t.zero_()
-        for i in ids:
-            store.prefetch(i)
-        store.wait_all()
+        ssd_round_trip(store, ids, t)
         monkeypatch.undo()
         assert torch.equal(t, ref)
         expected = 4 * -(-CHUNK // 1000) + -(-padded(151_428) // 1000)
@@ -333,13 +338,7 @@ def test_staging_pool_never_exceeds_its_bound(tmp_path, monkeypatch):
     monkeypatch.setattr(slot_file, "pread_all", instrumented("read", slot_file.pread_all))
     with store_for(tmp_path, io_workers=4, staging_buffers=2) as store:
         ids = store.register("w", t)
-        for i in ids:
-            store.evict(i, "ssd")
-        store.wait_all()
-        t.zero_()
-        for i in ids:
-            store.prefetch(i)
-        store.wait_all()
+        ssd_round_trip(store, ids, t)
         assert torch.equal(t, ref)
         assert peak == {"write": 2, "read": 2}
         assert store.stats()["staging"] == {"count": 2, "buffer_bytes": CHUNK, "allocated": 2,
