@@ -295,6 +295,13 @@ class GRPOController:
         if self._health is not None:
             self._finish_health()
 
+    def stable_update_next(self) -> bool:
+        """Will the step after this one update the stable tier? (The memory tier prefetches the
+        stable tier's state one step ahead.) A re-tier at that step only moves units out of
+        stable right after an update, when their state is resident anyway."""
+        interval = self.config.stable_interval
+        return interval > 0 and (self.step.k + 1) % interval == 0
+
     def unit_active(self, index: int) -> bool:
         """False when the unit is stable and this is not its update step (nothing to do)."""
         return self.tiers[index] != "stable" or self.step.stable_update

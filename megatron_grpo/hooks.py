@@ -37,3 +37,8 @@ class RunHooks:
     """Extra state that differs per rank, stored in the rank's own checkpoint file."""
     load_rank_state: Callable = lambda state: None
     """Restores what rank_state returned."""
+    before_save: Callable = lambda: None
+    """Called before each checkpoint is written (offloaded state comes back to be saved)."""
+    finish: Callable = lambda: None
+    """Called once when the run ends, normally or by an exception (background workers stop,
+    offload files are deleted)."""

@@ -42,3 +42,30 @@ def gloo_group():
         yield dist.group.WORLD
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def tmpfs():
+    """tmpfs(path, size, read_only=False): a context manager mounting a small tmpfs at path (a
+    full or read-only filesystem for the offload tests; root ignores permissions, so a chmod
+    cannot make a directory unwritable for it). Skips the test where mounting is not allowed."""
+    import contextlib
+    import subprocess
+
+    @contextlib.contextmanager
+    def mount(path, size, read_only=False):
+        if os.geteuid() != 0:
+            pytest.skip("mounting a tmpfs needs root")
+        path.mkdir()
+        run = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                             capture_output=True, text=True)
+        if run.returncode:
+            pytest.skip(f"mount -t tmpfs not permitted here: {run.stderr.strip()}")
+        try:
+            if read_only:
+                subprocess.run(["mount", "-o", "remount,ro", str(path)], check=True)
+            yield path
+        finally:
+            subprocess.run(["umount", str(path)], check=True)
+
+    return mount

@@ -8,6 +8,8 @@ one GRPOController per model replica.
 
 from __future__ import annotations
 
+import torch
+
 from megatron_grpo.hooks import RunHooks
 from megatron_grpo.megatron.bucket_group import GRPOBucketGroup, install
 from megatron_grpo.megatron.ddp import GRPODistributedDataParallel
@@ -16,12 +18,14 @@ from megatron_grpo.megatron.optimizer import (GRPODistributedOptimizer, get_grpo
 
 
 def grpo_hooks(cfg):
-    """RunHooks for ``megatron_grpo.training.loop.run`` with GRPO enabled."""
+    """RunHooks for ``megatron_grpo.training.loop.run`` with GRPO enabled (and, with
+    --grpo-offload cpu|ssd, the memory tier's placement of the stable tier's state)."""
     from megatron.core import parallel_state as ps
 
     from megatron_grpo.controller import GRPOController
+    from megatron_grpo.megatron.offload import build_placement, unit_state
 
-    state = {}
+    state = {"placement": None}
 
     def after_build(built):
         device = next(built.ddp_model[0].module.parameters()).device
@@ -30,6 +34,32 @@ def grpo_hooks(cfg):
         for opt in grpo_optimizers(built.optimizer):
             opt.bind(ctrl)
         state["ctrl"], state["built"] = ctrl, built
+        state["placement"] = build_placement(cfg.offload, built.optimizer, ctrl,
+                                             torch.distributed.get_rank())
+
+    def before_step(iteration):
+        ctrl = state["ctrl"]
+        ctrl.begin_step(iteration)
+        placement = state["placement"]
+        if placement is not None:
+            # Optimizer state appears at a parameter's first update: registered as it comes.
+            placement.add(unit_state(state["built"].optimizer, ctrl))
+            placement.begin_step(ctrl.tiers, ctrl.step.stable_update, ctrl.stable_update_next())
+
+    def step_metrics(iteration, wire, step_time):
+        rec = state["ctrl"].metrics(wire["by_tag"], step_time)
+        if state["placement"] is not None:
+            rec.update(state["placement"].step_metrics())
+        return rec
+
+    def before_save():
+        if state["placement"] is not None:
+            state["placement"].resident_all()  # saved from device, as without offload
+
+    def finish():
+        if state["placement"] is not None:
+            state["placement"].close()
+            state["placement"] = None
 
     def rank_state():
         return {"controller": state["ctrl"].rank_state(),
@@ -44,13 +74,15 @@ def grpo_hooks(cfg):
         bucket_size=cfg.grpo.bucket_elements,
         optimizer_factory=lambda opt_config, chunks: get_grpo_optimizer(opt_config, chunks, cfg.grpo),
         after_build=after_build,
-        before_step=lambda iteration: state["ctrl"].begin_step(iteration),
+        before_step=before_step,
         after_step=lambda iteration: state["ctrl"].end_step(),
-        step_metrics=lambda iteration, wire, step_time: state["ctrl"].metrics(wire["by_tag"], step_time),
+        step_metrics=step_metrics,
         checkpoint_state=lambda: state["ctrl"].common_state(),
         load_state=lambda saved: state["ctrl"].load_common_state(saved),
         rank_state=rank_state,
         load_rank_state=load_rank_state,
+        before_save=before_save,
+        finish=finish,
     )
 
 

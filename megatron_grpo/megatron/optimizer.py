@@ -30,6 +30,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 class GRPODistributedOptimizer(DistributedOptimizer):
     grpo = None  # GRPOController, bound by bind()
+    placement = None  # TierPlacement of the memory tier (--grpo-offload), set by build_placement
 
     def bind(self, controller) -> None:
         self.grpo = controller
@@ -70,8 +71,12 @@ class GRPODistributedOptimizer(DistributedOptimizer):
         the distributed optimizer), exactly as megatron skips an fp16 overflow step. The
         controller then leaves residuals, accumulators and importance as they were; without the
         check, one Inf in a dynamic bucket made its error-feedback chunk non-finite for good."""
-        found = super().prepare_grads()
         ctrl = self.grpo
+        if self.placement is not None and ctrl is not None:
+            # First use of optimizer state in the step: offloaded state this step updates must
+            # be back (prefetched a step ahead; any wait is reported as offload_stall_s).
+            self.placement.ensure(ctrl.step.stable_update)
+        found = super().prepare_grads()
         if ctrl is None:
             return found
         if not found:

@@ -1,8 +1,7 @@
-"""OffloadConfig: the settings of the memory tier's chunk store (issue 10, item 1).
-
-Not on the command line yet: the names in the comments (``--grpo-offload-dir`` ...) are the flags
-these fields will become when the store is wired into training. ``validate()`` names the field,
-the accepted values and the value it got.
+"""OffloadConfig: the settings of the memory tier (issue 10): what is offloaded, where, and how
+the chunk store moves it. One section of the training config: ``--grpo-offload {none,cpu,ssd}``,
+``--grpo-offload-dir``, ``--grpo-offload-chunk-mb`` ... (YAML keys without the dashes).
+``validate()`` names the field, the accepted values and the value it got.
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ from typing import Optional
 MB = 1 << 20
 ALIGN = 4096  # file slot / O_DIRECT alignment in bytes: a page, and the usual logical block size
 FALLBACKS = ("error", "cpu")
+TARGETS = ("none", "cpu", "ssd")
 IO_MODES = ("direct", "buffered")
 
 
@@ -26,14 +26,21 @@ def _is_int(value) -> bool:
 
 @dataclass
 class OffloadConfig:
-    """Chunk store of the memory tier: host-memory and SSD copies of fixed-size tensor chunks."""
+    """Memory tier: stable-tier optimizer state offloaded to host memory or SSD in chunks."""
 
+    FLAG_PREFIX = "grpo-offload-"
+    FLAG_NAMES = {"target": "--grpo-offload", "offload_dir": "--grpo-offload-dir"}
+
+    target: str = "none"
+    """What leaves device memory between uses (with --grpo): none; cpu = the stable tier's Adam
+    moments and fp32 master shards go to host memory after each stable update and come back one
+    step before the next; ssd = the same, to one file per rank in --grpo-offload-dir."""
     chunk_mb: float = 128.0
     """Chunk size in MB (2**20 bytes). A registered tensor is cut into chunks of this many bytes;
     its last chunk may be shorter. Must come to a whole multiple of 4096 bytes (0.25 is fine)."""
     offload_dir: Optional[str] = None
-    """Directory for the SSD tier (future --grpo-offload-dir): one preallocated file per rank,
-    grpo-offload-rankNNNNN.bin. Use a local disk; None means no SSD tier."""
+    """Directory for the SSD tier: one preallocated file per rank, grpo-offload-rankNNNNN.bin.
+    Use a local disk; None means no SSD tier (needed with --grpo-offload ssd)."""
     fallback: str = "error"
     """What happens when the SSD file cannot be created (missing, unwritable or too small
     directory): error raises at construction; cpu warns and keeps SSD-bound chunks in host
@@ -44,8 +51,9 @@ class OffloadConfig:
     """Reusable host buffers of one chunk each used for file I/O; host memory for staging is at
     most staging_buffers x chunk size, whatever the number of chunks in flight."""
     capacity: int = 0
-    """Bytes of the SSD file, allocated up front (rounded up to 4096). Needed when offload_dir is
-    set; each chunk on SSD takes its length rounded up to 4096."""
+    """Bytes of the SSD file, allocated up front (rounded up to 4096); each chunk on SSD takes
+    its length rounded up to 4096. 0 in a training run: the planned bytes (every offloadable
+    state tensor of the rank at once), so a too-small disk fails before step 1."""
     io_mode: str = "direct"
     """File I/O: direct (O_DIRECT, no page cache; falls back to buffered where the filesystem
     refuses it) or buffered (page cache, no fsync). The default is the faster one measured in
@@ -55,9 +63,21 @@ class OffloadConfig:
     def chunk_bytes(self) -> int:
         return int(round(self.chunk_mb * MB))
 
-    def validate(self) -> "OffloadConfig":
+    def flag(self, field: str) -> str:
+        return self.FLAG_NAMES.get(field, "--" + self.FLAG_PREFIX + field.replace("_", "-"))
+
+    def validate(self, planned: bool = False) -> "OffloadConfig":
+        """Check every field. planned=True (a training run): capacity 0 means "the planned
+        bytes", and target ssd needs offload_dir. Errors name the field and, with planned, its
+        flag."""
         def fail(field: str, accepted: str, value) -> None:
-            raise OffloadConfigError(f"OffloadConfig.{field} must be {accepted}, got {value!r}")
+            name = f"{self.flag(field)} (OffloadConfig.{field})" if planned else f"OffloadConfig.{field}"
+            raise OffloadConfigError(f"{name} must be {accepted}, got {value!r}")
+
+        if self.target not in TARGETS:
+            fail("target", "one of " + ", ".join(TARGETS), self.target)
+        if planned and self.target == "ssd" and not self.offload_dir:
+            fail("offload_dir", "a local directory with --grpo-offload ssd", self.offload_dir)
 
         if isinstance(self.chunk_mb, bool) or not isinstance(self.chunk_mb, (int, float)) \
                 or not self.chunk_mb > 0:
@@ -78,7 +98,7 @@ class OffloadConfig:
                 fail(name, "an integer >= 1", value)
         if not _is_int(self.capacity) or self.capacity < 0:
             fail("capacity", "an integer number of bytes >= 0", self.capacity)
-        if self.offload_dir is not None and self.capacity == 0:
+        if self.offload_dir is not None and self.capacity == 0 and not planned:
             fail("capacity", "> 0 bytes when offload_dir is set (the SSD file is allocated up "
                  "front)", self.capacity)
         return self

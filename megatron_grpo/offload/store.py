@@ -110,8 +110,15 @@ class ChunkStore:
             raise ValueError(f"offload: a tensor named {name!r} is already registered")
         if not tensor.is_contiguous():
             raise ValueError(f"offload: tensor {name!r} must be contiguous to be chunked")
-        # chunk_bytes is a multiple of 4096, so chunk boundaries never split an element
-        raw = tensor.detach().reshape(-1).view(torch.uint8)
+        # chunk_bytes is a multiple of 4096, so chunk boundaries never split an element.
+        # A fresh tensor on the same storage, not tensor.detach().view(...): a detached view
+        # shares the version counter of its base, and the base may share it with a parameter
+        # in the autograd graph (megatron's fp32 master shards are detached views of the
+        # params), so a prefetch landing during backward would fail it ("modified by an
+        # inplace operation"). Bytes the store copies are not autograd's business.
+        raw = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+        raw.set_(tensor.untyped_storage(), tensor.storage_offset() * tensor.element_size(),
+                 (tensor.numel() * tensor.element_size(),))
         count = -(-raw.numel() // self.chunk_bytes)
         ids = []
         with self._lock:

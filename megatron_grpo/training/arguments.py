@@ -78,8 +78,9 @@ def build_parser(cfg: PretrainConfig, prog: Optional[str] = None) -> argparse.Ar
         hints = typing.get_type_hints(type(sub))
         for f in dataclasses.fields(sub):
             base, is_list = _base_type(hints[f.name])
+            # argparse %-formats help text; docstrings quote figures in percent.
             kw: Dict[str, Any] = dict(dest=f"{section}.{f.name}", default=argparse.SUPPRESS,
-                                      help=docs.get(f.name, ""))
+                                      help=docs.get(f.name, "").replace("%", "%%"))
             if base is bool:
                 kw["action"] = argparse.BooleanOptionalAction
             else:
@@ -312,8 +313,13 @@ def validate(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
             raise ConfigError(f"--global-batch-size ({t.global_batch_size}) must be a multiple of "
                               f"--micro-batch-size x data-parallel size ({t.micro_batch_size} x {dp})")
     from megatron_grpo.config import GRPOConfigError
+    from megatron_grpo.offload.config import OffloadConfigError
 
     try:
         cfg.grpo.validate(world_size)
-    except GRPOConfigError as exc:
+        cfg.offload.validate(planned=True)
+    except (GRPOConfigError, OffloadConfigError) as exc:
         raise ConfigError(str(exc)) from None
+    if cfg.offload.target != "none" and not cfg.grpo.enabled:
+        raise ConfigError(f"--grpo-offload {cfg.offload.target} places GRPO's stable tier: it "
+                          f"needs --grpo (the megatron baseline has no tiers)")

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from megatron_grpo.config import GRPOConfig
+from megatron_grpo.offload.config import OffloadConfig
 
 
 @dataclass
@@ -166,6 +167,8 @@ class PretrainConfig:
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
     logging: LoggingSettings = field(default_factory=LoggingSettings)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
 
 
-SECTIONS = ("model", "parallel", "optimizer", "training", "data", "checkpoint", "logging", "grpo")
+SECTIONS = ("model", "parallel", "optimizer", "training", "data", "checkpoint", "logging", "grpo",
+            "offload")

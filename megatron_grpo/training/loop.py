@@ -136,14 +136,17 @@ def run(cfg: PretrainConfig, hooks: Optional[RunHooks] = None) -> RunSummary:
     # whatever happens (tests and embedding code call run() more than once per process).
     preemption = _Preemption()
     preemption.install()
+    hooks = hooks or default_hooks(cfg)
     try:
         return _run(cfg, hooks, preemption)
     finally:
-        preemption.restore()
+        try:
+            hooks.finish()
+        finally:
+            preemption.restore()
 
 
-def _run(cfg: PretrainConfig, hooks: Optional[RunHooks], preemption: _Preemption) -> RunSummary:
-    hooks = hooks or default_hooks(cfg)
+def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption) -> RunSummary:
     t, lg = cfg.training, cfg.logging
     platform = select_platform(force_cpu=t.cpu, local_rank=int(os.environ.get("LOCAL_RANK", 0)))
     from megatron_grpo.megatron import weight_check
@@ -206,6 +209,7 @@ def _run(cfg: PretrainConfig, hooks: Optional[RunHooks], preemption: _Preemption
 
     if cfg.checkpoint.save and start_iter == 0 and t.train_iters == 0:
         # A seed checkpoint: the initial weights, for runs in other layouts to --init-from.
+        hooks.before_save()
         checkpointing.save_checkpoint(cfg.checkpoint.save, 0, built, {
             "consumed_samples": 0, "scheduler": built.scheduler.state_dict(),
             "extensions": hooks.checkpoint_state()}, hooks.rank_state())
@@ -271,6 +275,7 @@ def _run(cfg: PretrainConfig, hooks: Optional[RunHooks], preemption: _Preemption
             iteration == t.train_iters or stopping
             or (cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0))
         if save_due:
+            hooks.before_save()
             checkpointing.save_checkpoint(cfg.checkpoint.save, iteration, built, {
                 "consumed_samples": train_iter.consumed_samples,
                 "scheduler": built.scheduler.state_dict(),

@@ -19,6 +19,17 @@ def test_defaults_and_flag_override_yaml(tmp_path):
     assert cfg.data.data_path == ["data/x"]
 
 
+def test_help_lists_every_section(capsys):
+    # argparse %-formats help strings: a docstring quoting "+0.68 %" once broke --help.
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--num-layers", "--grpo-stable-mode", "--grpo-offload {", "--grpo-offload-dir"):
+        assert flag.split(" ")[0] in out
+    assert "+0.68 % vs +1.27 %" in " ".join(out.split())
+
+
 def test_shipped_configs_parse():
     import glob
 
@@ -53,6 +64,10 @@ def test_shipped_configs_parse():
     (["--grpo-compressor", "int3"], "--grpo-compressor must be one of int4, int8, topk, powersgd, got 'int3'"),
     (["--grpo-core-share", "0.3"], "must sum to 1"),
     (["--grpo-stable-mode", "lazy"], "--grpo-stable-mode must be one of frozen, delayed, got 'lazy'"),
+    (["--grpo", "--grpo-offload", "disk"], "--grpo-offload (OffloadConfig.target) must be one of none, cpu, ssd, got 'disk'"),
+    (["--grpo", "--grpo-offload", "ssd"], "--grpo-offload-dir (OffloadConfig.offload_dir) must be a local directory with --grpo-offload ssd, got None"),
+    (["--grpo-offload", "cpu"], "--grpo-offload cpu places GRPO's stable tier: it needs --grpo"),
+    (["--grpo", "--grpo-offload", "cpu", "--grpo-offload-chunk-mb", "1.001"], "--grpo-offload-chunk-mb (OffloadConfig.chunk_mb) must be a whole multiple of 4096 bytes"),
     (["--grpo-gvr-min", "1.5"], "--grpo-gvr-min and --grpo-gvr-max must satisfy 0 < min < max"),
     (["--grpo-core-share", "-0.1", "--grpo-dynamic-share", "0.9"], "--grpo-core-share must be in [0, 1], got -0.1"),
     (["--grpo-warmup-iters", "-1"], "--grpo-warmup-iters must be an integer >= 0, got -1"),

@@ -4,7 +4,6 @@ is what it claims to be. CPU mode: the "device" tensors are ordinary CPU tensors
 import contextlib
 import errno
 import os
-import subprocess
 import threading
 import time
 
@@ -174,24 +173,7 @@ def test_missing_or_non_directory_offload_dir_is_a_construction_error(tmp_path):
     assert os.listdir(tmp_path) == ["regular"]
 
 
-@contextlib.contextmanager
-def tmpfs(path, size, read_only=False):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    path.mkdir()
-    run = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                         capture_output=True, text=True)
-    if run.returncode:
-        pytest.skip(f"mount -t tmpfs not permitted here: {run.stderr.strip()}")
-    try:
-        if read_only:
-            subprocess.run(["mount", "-o", "remount,ro", str(path)], check=True)
-        yield path
-    finally:
-        subprocess.run(["umount", str(path)], check=True)
-
-
-def test_unwritable_offload_dir_is_a_construction_error(tmp_path):
+def test_unwritable_offload_dir_is_a_construction_error(tmp_path, tmpfs):
     if os.geteuid() != 0:  # permissions stop ordinary users
         directory = tmp_path / "ro"
         directory.mkdir(mode=0o500)
@@ -205,7 +187,7 @@ def test_unwritable_offload_dir_is_a_construction_error(tmp_path):
         assert os.listdir(directory) == []
 
 
-def test_too_small_filesystem_is_a_capacity_error_and_leaves_no_file(tmp_path):
+def test_too_small_filesystem_is_a_capacity_error_and_leaves_no_file(tmp_path, tmpfs):
     with tmpfs(tmp_path / "small", "1m") as directory:
         with pytest.raises(OffloadDirError) as info:
             store_for(directory, rank=7, capacity=4 << 20)

@@ -1,0 +1,63 @@
+"""The memory tier's megatron glue: which tensors of megatron's distributed optimizer belong to
+which GRPO tier unit, and the TierPlacement that moves them (megatron_grpo.offload.placement).
+
+Per parameter shard this rank owns, the placed state is the fp32 master shard (GRPO gives fp32
+params their own master storage, megatron does for bf16) and the inner torch optimizer's
+per-element state (Adam's exp_avg and exp_avg_sq); scalar state (Adam's step) stays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from megatron_grpo.megatron.optimizer import grpo_optimizers
+from megatron_grpo.offload import ChunkStore, OffloadConfig
+from megatron_grpo.offload.placement import TierPlacement, planned_bytes
+
+# Adam keeps two per-element moments; the SSD file is sized for them and the master up front,
+# before the moments exist (torch creates them at a parameter's first update).
+PER_ELEMENT_STATES = 3
+
+
+def unit_state(optimizer, ctrl) -> Dict[int, List[Tuple[str, torch.Tensor]]]:
+    """{unit index: [(name, tensor)]} of this rank's offloadable optimizer state."""
+    out: Dict[int, List[Tuple[str, torch.Tensor]]] = {}
+    for oi, opt in enumerate(grpo_optimizers(optimizer)):
+        for pi, (model_param, shard) in enumerate(opt._pairs()):
+            unit = ctrl.unit_of_bucket[id(opt._bucket_of(model_param))]
+            pairs = out.setdefault(unit, [])
+            pairs.append((f"opt{oi}.p{pi}.master", shard))
+            for key, value in opt.optimizer.state.get(shard, {}).items():
+                if torch.is_tensor(value) and value.numel() == shard.numel() and value.numel() > 1:
+                    pairs.append((f"opt{oi}.p{pi}.{key}", value))
+    return out
+
+
+def build_placement(config: OffloadConfig, optimizer, ctrl, rank: int) -> Optional[TierPlacement]:
+    """The run's TierPlacement, or None with --grpo-offload none. The store (and its SSD file,
+    sized for every offloadable tensor of the rank) is made now, before step 1, so a missing,
+    unwritable or too small --grpo-offload-dir fails before any training."""
+    if config.target == "none":
+        return None
+    masters = [shard for pairs in unit_state(optimizer, ctrl).values() for _, shard in pairs]
+    sizes = [s.numel() * 4 for s in masters for _ in range(PER_ELEMENT_STATES)]
+    store_cfg = dataclasses.replace(config)
+    if config.target == "ssd":
+        if not store_cfg.capacity:
+            store_cfg.capacity = max(4096, planned_bytes(sizes, config.chunk_bytes))
+    else:
+        store_cfg.offload_dir = None
+    store = ChunkStore(store_cfg, rank=rank)
+    target = config.target
+    if store.ssd_fallback:  # --grpo-offload-fallback cpu: said on every rank it happens to
+        print(f"[grpo-offload] rank {rank}: {store.ssd_fallback} Falling back to host memory "
+              f"(--grpo-offload-fallback cpu): the stable tier's state is offloaded to cpu.",
+              flush=True)
+        target = "cpu"
+    placement = TierPlacement(store, target)
+    for opt in grpo_optimizers(optimizer):
+        opt.placement = placement
+    return placement

@@ -1,0 +1,240 @@
+"""TierPlacement: where each tier unit's optimizer state lives, step by step (issue 10, item 2).
+
+The stable tier is updated once every ``--grpo-stable-interval`` steps. Between its updates the
+optimizer never reads its state (GRPO gives those shards no gradient, so Adam skips them), so
+its Adam moments and fp32 master shards can leave device memory: they are evicted to host
+memory or to the rank's SSD file after an update and prefetched one step before the next, on
+the chunk store's worker threads, so the copies overlap a whole step of compute. Core and
+dynamic units stay resident (they are used every step; streaming the dynamic tier through a
+window is the next part of the issue).
+
+Evicting frees memory for real: once every chunk of a tensor is safely away its storage is
+resized to zero bytes (the tensor keeps its shape and identity, so the optimizer and megatron
+still hold the same objects); prefetching allocates it again and copies the bytes back, bit for
+bit. Torch does not check a kernel's reads against a zero-byte storage, so reading an evicted
+tensor is undefined (it can crash): everything that reads this state goes through ``ensure()``
+(the optimizer step) or ``resident_all()`` (checkpoint saving, the end of the run), and the
+tests compare runs with and without offload bit for bit.
+
+This module knows nothing of megatron: the glue (megatron_grpo.megatron.offload) hands it, per
+unit, the (name, tensor) pairs to place, and says which units the next steps need.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from .store import ChunkStore
+
+TARGETS = ("none", "cpu", "ssd")
+RESIDENT, EVICTING, AWAY, FETCHING = "resident", "evicting", "away", "fetching"
+
+
+@dataclass
+class _Placed:
+    name: str
+    tensor: torch.Tensor
+    ids: List[int]
+    nbytes: int
+
+
+@dataclass
+class _Unit:
+    tensors: List[_Placed] = field(default_factory=list)
+    state: str = RESIDENT
+    futures: list = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def owns_storage(tensor: torch.Tensor) -> bool:
+    """True when the tensor is the only user of its whole storage, so freeing the storage frees
+    exactly this tensor (views into a shared buffer must not be freed)."""
+    return (tensor.is_contiguous() and tensor.storage_offset() == 0
+            and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
+
+
+class TierPlacement:
+    """Moves units' state between device and ``target`` (cpu or ssd) on a ChunkStore."""
+
+    def __init__(self, store: ChunkStore, target: str):
+        if target not in ("cpu", "ssd"):
+            raise ValueError(f"offload: TierPlacement target must be cpu or ssd, got {target!r}")
+        self.store, self.target = store, target
+        self.units: Dict[int, _Unit] = {}
+        self._known: Dict[int, Tuple[int, str]] = {}  # id(tensor) -> (unit, name)
+        self.stall_s = 0.0  # time the training loop waited for prefetches, this step
+        self._last_stats = store.stats()
+        self.tiers: Sequence[str] = ()
+
+    # ---- registration ------------------------------------------------------------------
+    def add(self, state: Dict[int, List[Tuple[str, torch.Tensor]]]) -> None:
+        """Register state tensors not seen before (optimizer state appears lazily, at a
+        parameter's first update). A tensor seen before must still be the same object: state
+        replaced behind the store's back (a load into new tensors) would be lost, so it is an
+        error, not a silent re-registration."""
+        for unit, pairs in state.items():
+            placed = self.units.setdefault(unit, _Unit())
+            names = {t.name: t for t in placed.tensors}
+            for name, tensor in pairs:
+                old = names.get(name)
+                if old is not None:
+                    if old.tensor is not tensor:
+                        raise RuntimeError(
+                            f"offload: state tensor {name!r} of unit {unit} was replaced by a new "
+                            f"tensor while the placement held the old one; load checkpoints "
+                            f"before the first step (the training entry does)")
+                    continue
+                if id(tensor) in self._known:
+                    continue  # shared by two names: placed once
+                if not owns_storage(tensor):
+                    raise ValueError(f"offload: state tensor {name!r} of unit {unit} is a view "
+                                     f"into a larger buffer; only tensors that own their "
+                                     f"storage can be offloaded")
+                if placed.state != RESIDENT:
+                    # Joining a unit that is away: bring the unit back first (rare: state is
+                    # created at a unit's first update, when it is resident).
+                    self._fetch(placed)
+                    self._wait(placed)
+                ids = self.store.register(f"unit{unit}/{name}", tensor)
+                placed.tensors.append(_Placed(name, tensor, ids, tensor.numel() * tensor.element_size()))
+                self._known[id(tensor)] = (unit, name)
+
+    # ---- the schedule ------------------------------------------------------------------
+    def begin_step(self, tiers: Sequence[str], update_now: bool, update_next: bool) -> None:
+        """Before a step: free what finished evicting, then evict the stable units this step
+        and the next do not update, and prefetch those the next step updates (one step ahead,
+        so the copy overlaps this step's compute)."""
+        self.tiers = list(tiers)
+        self.stall_s = 0.0
+        self.settle()
+        for index, unit in self.units.items():
+            if self.needed(index, update_now or update_next):
+                if unit.state in (EVICTING, AWAY):
+                    self._fetch(unit)
+            elif unit.state in (RESIDENT, FETCHING):
+                self._evict(unit)
+
+    def needed(self, index: int, update: bool) -> bool:
+        tier = self.tiers[index] if index < len(self.tiers) else "core"
+        return tier != "stable" or update
+
+    def ensure(self, update_now: bool) -> None:
+        """Before the optimizer reads state: wait for every unit this step uses (the wait is
+        the stall, reported per step) and free what has finished evicting."""
+        for index, unit in self.units.items():
+            if self.needed(index, update_now) and unit.state != RESIDENT:
+                if unit.state in (EVICTING, AWAY):  # not asked for in time: fetch now
+                    self._fetch(unit)
+                start = time.perf_counter()
+                self._wait(unit)
+                self.stall_s += time.perf_counter() - start
+        self.settle()
+
+    def resident_all(self) -> None:
+        """Bring everything back (before a checkpoint is written, and at the end)."""
+        for unit in self.units.values():
+            if unit.state != RESIDENT:
+                if unit.state in (EVICTING, AWAY):
+                    self._fetch(unit)
+                start = time.perf_counter()
+                self._wait(unit)
+                self.stall_s += time.perf_counter() - start
+        self.store.check()
+
+    def settle(self) -> None:
+        """Free the storage of units whose eviction completed; raise a background error."""
+        self.store.check()
+        for unit in self.units.values():
+            if unit.state == EVICTING and all(f.done() for f in unit.futures):
+                for f in unit.futures:
+                    f.result()  # an eviction that failed leaves the bytes where they were
+                for t in unit.tensors:
+                    t.tensor.untyped_storage().resize_(0)
+                unit.state, unit.futures = AWAY, []
+
+    # ---- moves -------------------------------------------------------------------------
+    def _evict(self, unit: _Unit) -> None:
+        if unit.state == FETCHING:
+            self._wait(unit)  # the bytes must be back before they are copied out again
+        unit.futures = [self.store.evict(i, to=self.target) for t in unit.tensors for i in t.ids]
+        unit.state = EVICTING
+
+    def _fetch(self, unit: _Unit) -> None:
+        if unit.state == AWAY:
+            for t in unit.tensors:
+                t.tensor.untyped_storage().resize_(t.nbytes)
+        # From EVICTING the bytes were never freed; the store runs this move after the
+        # eviction of each chunk, so the copy back is of the same bytes.
+        unit.futures = [self.store.prefetch(i) for t in unit.tensors for i in t.ids]
+        unit.state = FETCHING
+
+    def _wait(self, unit: _Unit) -> None:
+        for f in unit.futures:
+            f.result()
+        unit.futures = []
+        unit.state = RESIDENT
+
+    # ---- reporting ---------------------------------------------------------------------
+    def resident_bytes(self) -> Dict[str, Dict[str, int]]:
+        """Placed bytes per tier and per location: device (resident or on its way back) or
+        the target (away, or being evicted: counted where the move goes)."""
+        out: Dict[str, Dict[str, int]] = {}
+        for index, unit in self.units.items():
+            tier = self.tiers[index] if index < len(self.tiers) else "core"
+            where = "device" if unit.state in (RESIDENT, FETCHING) else self.target
+            row = out.setdefault(tier, {"device": 0, self.target: 0})
+            row[where] += unit.nbytes
+        return out
+
+    def step_metrics(self) -> Dict[str, float]:
+        """The step's offload figures: bytes each way and their rate, busy time of the copies,
+        the stall, the share of copy time hidden behind compute, resident bytes by tier."""
+        now = self.store.stats()
+        before, self._last_stats = self._last_stats, now
+        delta = {d: (now["bytes"][d] - before["bytes"][d], now["seconds"][d] - before["seconds"][d])
+                 for d in now["bytes"]}
+        out_dirs, in_dirs = ("device_to_cpu", "to_ssd"), ("cpu_to_device", "from_ssd")
+        written, read = (sum(delta[d][0] for d in dirs) for dirs in (out_dirs, in_dirs))
+        out_s, in_s = (sum(delta[d][1] for d in dirs) for dirs in (out_dirs, in_dirs))
+        busy = out_s + in_s
+        rec: Dict[str, float] = {
+            "offload_bytes_written": written, "offload_bytes_read": read,
+            "offload_io_busy_s": busy, "offload_stall_s": self.stall_s,
+        }
+        if out_s > 0:
+            rec["offload_write_gbps"] = written / out_s / 1e9
+        if in_s > 0:
+            rec["offload_read_gbps"] = read / in_s / 1e9
+        if busy > 0:
+            # Copy time the loop did not wait for; the copies run beside the step's compute.
+            rec["offload_hidden_share"] = max(0.0, 1.0 - self.stall_s / busy)
+        for tier, row in self.resident_bytes().items():
+            for where, nbytes in row.items():
+                rec[f"offload_bytes_{tier}_{where}"] = nbytes
+        return rec
+
+    def close(self) -> None:
+        """Bring everything back, then close the store (its file is deleted)."""
+        try:
+            self.resident_all()
+        finally:
+            self.store.close()
+
+
+def planned_bytes(sizes: Sequence[int], store_chunk_bytes: int) -> int:
+    """File bytes to hold tensors of these byte sizes at once (each chunk 4096-aligned)."""
+    from .slot_file import align_up
+
+    total = 0
+    for n in sizes:
+        full, rest = divmod(n, store_chunk_bytes)
+        total += full * align_up(store_chunk_bytes) + (align_up(rest) if rest else 0)
+    return total
+

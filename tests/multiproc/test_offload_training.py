@@ -1,0 +1,94 @@
+"""The memory tier in real training runs (2 gloo ranks): the stable tier's optimizer state goes
+to SSD (or host memory) between its updates and the run is bit-identical to the same run without
+offload, a resume with offload is exact, and a bad --grpo-offload-dir fails before step 1."""
+
+import os
+
+import pytest
+
+from harness import GRPO_SMALL, SMALL_MODEL, losses, read_metrics, run_training, train_and_read
+
+ITERS = 20
+# GRPO_SMALL: tiers from iteration 9, stable updates at 12, 16, 20, a re-tier at 17.
+OFFLOAD = ["--grpo-offload-chunk-mb", "0.25"]
+
+
+@pytest.fixture(scope="module")
+def runs(stdlib_data, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("offload")
+    # The default stable mode (delayed): GRPO_SMALL pins frozen, the flag after it wins.
+    base = [*SMALL_MODEL, *GRPO_SMALL, "--grpo-stable-mode", "delayed", "--data-path", stdlib_data,
+            "--train-iters", str(ITERS), "--eval-interval", "10"]
+    ssd_dir = tmp / "ssd"
+    ssd_dir.mkdir()
+    ssd = [*base, "--grpo-offload", "ssd", "--grpo-offload-dir", str(ssd_dir), *OFFLOAD]
+    out = dict(base=base, ssd_dir=ssd_dir, tmp=tmp)
+    out["plain"] = train_and_read(tmp, "plain", 2, base)
+    out["ssd"] = train_and_read(tmp, "ssd", 2, ssd)
+    out["files_after"] = sorted(os.listdir(ssd_dir))
+    # Interrupted after iteration 11 with a checkpoint at 10 (the stable state was on SSD then),
+    # resumed to the end.
+    ckpt, metrics = tmp / "ckpt", tmp / "resumed.jsonl"
+    run_training(2, [*ssd, "--save", str(ckpt), "--save-interval", "5", "--exit-after-iter", "11",
+                     "--metrics-file", str(metrics)])
+    out["first"] = read_metrics(metrics)
+    run_training(2, [*ssd, "--save", str(ckpt), "--save-interval", "5", "--load", str(ckpt),
+                     "--metrics-file", str(metrics)])
+    out["all"] = read_metrics(metrics)
+    return out
+
+
+def test_ssd_offload_is_bit_identical_to_no_offload(runs):
+    plain, ssd = runs["plain"], runs["ssd"]
+    assert losses(ssd) == losses(plain)
+    assert ssd[-1]["val_loss"] == plain[-1]["val_loss"]
+    assert runs["files_after"] == []  # the rank files are deleted at the end of the run
+
+
+def test_stable_state_is_on_ssd_between_updates_and_back_for_them(runs):
+    by_iter = {r["iteration"]: r for r in runs["ssd"]}
+    # Warm-up: every unit core, nothing moved.
+    assert all(by_iter[k]["offload_bytes_written"] == 0 for k in range(1, 9))
+    assert "offload_bytes_stable_ssd" not in by_iter[8]
+    # Tiering at 9: the stable units' state leaves; it comes back at 11 for the update at 12.
+    stable = by_iter[9]["offload_bytes_stable_ssd"]
+    assert stable > 0 and by_iter[9]["offload_bytes_stable_device"] == 0
+    assert by_iter[9]["offload_bytes_written"] >= stable
+    assert by_iter[10]["offload_bytes_written"] == by_iter[10]["offload_bytes_read"] == 0
+    assert by_iter[11]["offload_bytes_read"] >= stable
+    assert by_iter[12]["offload_bytes_stable_device"] == stable  # resident for the update
+    assert by_iter[13]["offload_bytes_stable_ssd"] == stable  # away again after it
+    # Core and dynamic state never moves.
+    for k in range(9, ITERS + 1):
+        assert by_iter[k].get("offload_bytes_core_ssd", 0) == 0
+        assert by_iter[k].get("offload_bytes_dynamic_ssd", 0) == 0
+    assert all(by_iter[k]["offload_stall_s"] >= 0 for k in by_iter)
+
+
+def test_resume_with_offload_is_exact(runs):
+    first, every = runs["first"], runs["all"]
+    assert [r["iteration"] for r in first] == list(range(1, 12))
+    resumed = every[len(first):]
+    assert [r["iteration"] for r in resumed] == list(range(11, ITERS + 1))
+    assert losses(resumed) == losses(runs["ssd"])[10:] == losses(runs["plain"])[10:]
+
+
+def test_missing_offload_dir_fails_before_step_1_or_falls_back_to_cpu(runs, tmp_path):
+    missing = tmp_path / "no-such-dir"
+    metrics = tmp_path / "m.jsonl"
+    proc = run_training(2, [*runs["base"], "--grpo-offload", "ssd", "--grpo-offload-dir",
+                            str(missing), *OFFLOAD, "--metrics-file", str(metrics)], check=False)
+    assert proc.returncode != 0
+    text = proc.stdout + proc.stderr
+    assert str(missing) in text and "rank 0" in text and "it does not exist" in text
+    assert not metrics.exists()  # no step ran
+    # With --grpo-offload-fallback cpu the run warns, keeps the state in host memory, and
+    # trains the same bits.
+    metrics = tmp_path / "fallback.jsonl"
+    proc = run_training(2, [*runs["base"], "--grpo-offload", "ssd", "--grpo-offload-dir",
+                            str(missing), *OFFLOAD, "--grpo-offload-fallback", "cpu",
+                            "--metrics-file", str(metrics)])
+    assert proc.stdout.count("Falling back to host memory") == 2  # one line per rank
+    records = read_metrics(metrics)
+    assert losses(records) == losses(runs["plain"])
+    assert records[8]["offload_bytes_stable_cpu"] > 0 and "offload_bytes_stable_ssd" not in records[8]

@@ -1,0 +1,157 @@
+"""TierPlacement (megatron_grpo.offload.placement): the stable tier's state leaves memory between
+updates, comes back one step ahead, bit for bit, and nothing is silently lost or stale."""
+
+import concurrent.futures as cf
+
+import pytest
+import torch
+
+from megatron_grpo.offload import ChunkStore, OffloadCapacityError, OffloadConfig
+from megatron_grpo.offload.placement import TierPlacement, owns_storage, planned_bytes
+
+CHUNK = 64 << 10  # 64 KiB chunks: a 40,000-element fp32 tensor is 3 chunks
+
+
+def make(tmp_path, target="ssd"):
+    cfg = OffloadConfig(chunk_mb=CHUNK / (1 << 20), offload_dir=str(tmp_path) if target == "ssd" else None,
+                        capacity=8 << 20)
+    return TierPlacement(ChunkStore(cfg, rank=0), target)
+
+
+def state(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {0: [("master", torch.randn(40_000, generator=g)), ("exp_avg", torch.randn(40_000, generator=g))],
+            1: [("master", torch.randn(1_000, generator=g))],
+            2: [("master", torch.randn(5_000, generator=g))]}
+
+
+def storage_bytes(t):
+    return t.untyped_storage().nbytes()
+
+
+@pytest.mark.parametrize("target", ["ssd", "cpu"])
+def test_stable_state_is_freed_between_updates_and_comes_back_bit_identical(tmp_path, target):
+    st = state()
+    ref = {u: [t.clone() for _, t in pairs] for u, pairs in st.items()}
+    tiers = ["stable", "core", "dynamic"]
+    p = make(tmp_path, target)
+    try:
+        p.add(st)
+        p.begin_step(tiers, update_now=False, update_next=False)
+        p.ensure(update_now=False)
+        p.store.wait_all()
+        p.settle()
+        # Unit 0's tensors own no memory now; core and dynamic units keep theirs.
+        assert [storage_bytes(t) for _, t in st[0]] == [0, 0]
+        assert storage_bytes(st[1][0][1]) == 4_000 and storage_bytes(st[2][0][1]) == 20_000
+        assert p.resident_bytes() == {"stable": {"device": 0, target: 320_000},
+                                      "core": {"device": 4_000, target: 0},
+                                      "dynamic": {"device": 20_000, target: 0}}
+        m = p.step_metrics()
+        assert m["offload_bytes_written"] == (2 * 163_840 if target == "ssd" else 320_000)
+        assert m["offload_bytes_stable_" + target] == 320_000
+        # The step before the update prefetches; the update step finds the state resident.
+        p.begin_step(tiers, update_now=False, update_next=True)
+        p.store.wait_all()
+        p.begin_step(tiers, update_now=True, update_next=False)
+        p.ensure(update_now=True)
+        assert p.stall_s < 0.05
+        for (_, t), r in zip(st[0], ref[0]):
+            assert storage_bytes(t) == 160_000 and torch.equal(t, r)
+        assert p.step_metrics()["offload_stall_s"] == p.stall_s
+    finally:
+        p.close()
+
+
+def test_a_late_prefetch_is_a_measured_stall_not_a_wrong_read(tmp_path):
+    st = state(1)
+    ref = st[0][0][1].clone()
+    p = make(tmp_path)
+    try:
+        p.add(st)
+        p.begin_step(["stable", "core", "core"], False, False)
+        p.store.wait_all()
+        p.settle()
+        assert storage_bytes(st[0][0][1]) == 0
+        # No step-ahead prefetch (e.g. the interval changed): ensure() fetches and waits.
+        p.begin_step(["stable", "core", "core"], update_now=True, update_next=False)
+        p.ensure(update_now=True)
+        assert torch.equal(st[0][0][1], ref)
+        assert p.step_metrics()["offload_bytes_read"] == 2 * 163_840
+    finally:
+        p.close()
+
+
+def test_units_leaving_stable_come_back_and_resident_all_restores_everything(tmp_path):
+    st = state(3)
+    ref = [t.clone() for pairs in st.values() for _, t in pairs]
+    p = make(tmp_path)
+    try:
+        p.add(st)
+        p.begin_step(["stable", "stable", "stable"], False, False)
+        p.store.wait_all()
+        p.settle()
+        p.begin_step(["core", "stable", "stable"], False, False)  # a re-tier moved unit 0 out
+        p.ensure(update_now=False)
+        assert torch.equal(st[0][0][1], ref[0]) and storage_bytes(st[1][0][1]) == 0
+        p.resident_all()  # before a checkpoint is written
+        assert all(torch.equal(t, r) for t, r in zip((t for ps in st.values() for _, t in ps), ref))
+    finally:
+        p.close()
+
+
+def test_a_replaced_state_tensor_is_an_error_and_views_are_refused(tmp_path):
+    st = state(4)
+    p = make(tmp_path)
+    try:
+        p.add(st)
+        with pytest.raises(RuntimeError, match="'master' of unit 1 was replaced"):
+            p.add({1: [("master", torch.zeros(1_000))]})
+        base = torch.zeros(100)
+        assert owns_storage(base) and not owns_storage(base[10:20])
+        with pytest.raises(ValueError, match="view into a larger buffer"):
+            p.add({3: [("master", base[10:20])]})
+    finally:
+        p.close()
+
+
+def test_prefetch_during_backward_does_not_trip_autograd_version_checks(tmp_path):
+    # megatron's fp32 master shards are detached views of the params: they share the param's
+    # version counter. The store must write their bytes without bumping it.
+    w = torch.nn.Parameter(torch.randn(64, 64))
+    master = w.detach().view(-1)
+    master.data = master.data.clone()  # GRPO's own master storage, as in bind()
+    x = torch.randn(8, 64)
+    p = make(tmp_path)
+    try:
+        p.add({0: [("master", master)]})
+        p.begin_step(["stable"], False, False)
+        p.store.wait_all()
+        p.settle()
+        loss = (x @ w).square().sum()  # saves w for backward
+        p.begin_step(["stable"], update_now=False, update_next=True)
+        p.store.wait_all()
+        loss.backward()  # would raise "modified by an inplace operation" on a bumped version
+        assert w.grad is not None
+    finally:
+        p.close()
+
+
+def test_background_error_reaches_the_step(tmp_path):
+    st = state(5)
+    cfg = OffloadConfig(chunk_mb=CHUNK / (1 << 20), offload_dir=str(tmp_path), capacity=64 << 10)
+    p = TierPlacement(ChunkStore(cfg, rank=0), "ssd")
+    try:
+        p.add(st)
+        p.begin_step(["stable", "core", "core"], False, False)  # 320 KB into a 64 KiB file
+        cf.wait(p.units[0].futures)
+        with pytest.raises(OffloadCapacityError, match="no room for chunk"):
+            p.settle()
+        # Nothing was freed: the bytes that could not leave are still in the tensors.
+        assert storage_bytes(st[0][0][1]) == 160_000
+    finally:
+        p.store.close()
+
+
+def test_planned_bytes_rounds_each_chunk_up():
+    assert planned_bytes([1, CHUNK, CHUNK + 1], CHUNK) == 4096 + CHUNK + CHUNK + 4096
