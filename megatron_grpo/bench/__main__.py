@@ -61,6 +61,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--only", nargs="+", default=None, metavar="CONTENDER",
                    help="train just these contenders of the suite (e.g. to run them as parallel "
                         "jobs), print no table; the suite run without --only reuses them")
+    p.add_argument("--contenders", nargs="+", default=None, metavar="CONTENDER",
+                   help="run and tabulate only these contenders of the suite (and its "
+                        "baseline), e.g. a subset of the ablation on a larger model")
     p.add_argument("--docs", default=os.path.join(REPO, "docs", "benchmarks.md"),
                    help="the markdown file whose bench sections are regenerated (all, --update-docs)")
     p.add_argument("--update-docs", action="store_true",

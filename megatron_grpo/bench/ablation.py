@@ -59,31 +59,35 @@ def ranking_verdict(importance: Dict[int, Optional[float]], random: Dict[int, Op
 def run(args, command: str) -> SuiteResult:
     grid = run_grid("ablation", args, DEFAULT_CONFIG, CONTENDERS, DEFAULT_SEEDS)
     seeds = grid.seeds
-    res = SuiteResult("ablation", "Ablation: importance-ranked tiers vs random and inverse, "
-                      "score variants", command,
+    model = f" ({os.path.basename(grid.spec.config)})" if grid.section != "ablation" else ""
+    res = SuiteResult(grid.section, "Ablation: importance-ranked tiers vs random and inverse, "
+                      f"score variants{model}", command,
                       ["contender", *[f"late loss vs baseline, seed {s}" for s in seeds], "mean",
                        *[f"final val, seed {s}" for s in seeds], "bytes ratio after warm-up (mean)"])
     pct = lambda n, s, key: F.fmt(grid.compare[n][s].get(key), "+.2f", " %")  # noqa: E731
-    for c in CONTENDERS[1:]:
+    ran = [c for c in CONTENDERS[1:] if grid.has(c.name)]
+    for c in ran:
         res.rows.append([c.name, *[pct(c.name, s, "late_loss_diff_pct") for s in seeds],
                          F.fmt(grid.mean(c.name, "late_loss_diff_pct"), "+.2f", " %"),
                          *[pct(c.name, s, "val_loss_diff_pct") for s in seeds],
                          F.fmt(grid.mean(c.name, "steady_wire_ratio"), ".3f")])
     spread = grid.baseline_spread_pct()
     for key, what in (("late_loss_diff_pct", "late loss"), ("val_loss_diff_pct", "final validation")):
+        if not grid.has("importance", "random"):
+            break
         verdict = ranking_verdict({s: grid.compare["importance"][s].get(key) for s in seeds},
                                   {s: grid.compare["random"][s].get(key) for s in seeds})
         if verdict:
             res.notes.append(f"{what}: {verdict}")
     res.notes.append(F.LATE_LOSS_NOTE)
-    res.notes += [f"{c.name}: {c.about}" for c in CONTENDERS]
+    res.notes += [f"{c.name}: {c.about}" for c in [CONTENDERS[0], *ran]]
     res.notes.append(grid.load_note)
     res.notes.append(f"the baseline's own validation loss differs by {F.fmt(spread, '.2f', ' %')} "
                      f"between the seeds")
     res.data = {"summaries": grid.summaries, "compare": grid.compare, "baseline_spread_pct": spread}
     res.plots["validation loss vs baseline"] = plots.val_diff(
         {f"{n} s{s}": grid.compare[n][s]["val_diff_curve"] for n in ("importance", "random", "inverse")
-         for s in seeds}, plot_path(grid.spec, "val_diff.png"), "tier policy: validation vs baseline")
+         if grid.has(n) for s in seeds}, plot_path(grid.spec, "val_diff.png"), "tier policy: validation vs baseline")
     res.plots["bytes vs late loss"] = plots.bytes_vs_quality(
         {n: (grid.mean(n, "steady_wire_ratio"), grid.mean(n, "late_loss_diff_pct"))
          for n in grid.compare if n != "baseline"}, plot_path(grid.spec, "front.png"),

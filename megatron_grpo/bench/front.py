@@ -69,9 +69,10 @@ def run(args, command: str) -> SuiteResult:
     # The baseline sits at (1.0, 0 %) by definition: on the axes so every point reads against it.
     points = {"baseline": (1.0, 0.0)}
     points.update({c.name: (grid.mean(c.name, "steady_wire_ratio"),
-                            grid.mean(c.name, QUALITY)) for c in CONTENDERS[1:]})
+                            grid.mean(c.name, QUALITY)) for c in CONTENDERS[1:] if grid.has(c.name)})
     front = pareto(points)
-    res = SuiteResult("front", "Bytes vs quality: sweeps around the defaults", command,
+    model = f" ({os.path.basename(grid.spec.config)})" if grid.section != "front" else ""
+    res = SuiteResult(grid.section, f"Bytes vs quality: sweeps around the defaults{model}", command,
                       ["setting", "bytes ratio after warm-up", "late loss vs baseline (mean)",
                        "late loss per seed", "final val per seed", "on the front"])
     for name, (x, y) in points.items():

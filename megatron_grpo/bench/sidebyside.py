@@ -21,6 +21,14 @@ class Grid:
         self.compare: Dict[str, Dict[int, Dict]] = {}
         self.steady_from = 0
         self.load_note = ""
+        self.section = ""
+        """The suite's docs section (and JSON) name: the suite, or suite-<config> off its default
+        config, so the small model's ablation does not overwrite the tiny model's."""
+        self.names: List[str] = []
+        """Contenders run, baseline first."""
+
+    def has(self, *names: str) -> bool:
+        return all(n in self.names for n in names)
 
     def mean(self, name: str, key: str) -> Optional[float]:
         """Mean over seeds of a comparison figure (e.g. val_loss_diff_pct)."""
@@ -42,9 +50,11 @@ def run_grid(suite: str, args, default_config: str, contenders: List[Contender],
     seeds); contenders[0] is the baseline every other one is compared with."""
     spec = args.spec(default_config, suite)
     seeds = list(args.seeds or default_seeds)
-    todo = [c for c in contenders if not c.skip]
+    todo = [c for c in select(contenders, getattr(args, "contenders", None), suite) if not c.skip]
     runner = Runner(suite, spec, len(todo) * len(seeds))
     grid = Grid(spec, seeds)
+    grid.section = section_name(suite, spec.config, default_config)
+    grid.names = [c.name for c in todo]
     for seed in seeds:
         for c in todo:
             grid.records.setdefault(c.name, {})[seed] = runner.run(f"{c.name}-s{seed}", c,
@@ -60,6 +70,26 @@ def run_grid(suite: str, args, default_config: str, contenders: List[Contender],
         grid.compare[name] = {s: F.compare(grid.summaries[name][s], grid.summaries[base][s])
                               for s in seeds}
     return grid
+
+
+def select(contenders: List[Contender], names: Optional[Sequence[str]], suite: str) -> List[Contender]:
+    """--contenders: the baseline (always) and the named ones, in the suite's order."""
+    if not names:
+        return list(contenders)
+    from megatron_grpo.bench.runner import BenchError
+
+    known = [c.name for c in contenders]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise BenchError(f"--contenders: suite {suite} has no contender {', '.join(unknown)}; "
+                         f"its contenders: {', '.join(known)}")
+    return [c for i, c in enumerate(contenders) if i == 0 or c.name in names]
+
+
+def section_name(suite: str, config: str, default_config: str) -> str:
+    if os.path.abspath(config) == os.path.abspath(default_config):
+        return suite
+    return f"{suite}-{os.path.splitext(os.path.basename(config))[0]}"
 
 
 def run_all(suite: str, args, default_config: str, contenders: List[Contender]):

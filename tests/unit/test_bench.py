@@ -238,3 +238,40 @@ def test_late_loss_is_the_paired_mean_of_the_second_half():
     b, g = F.summarize(base), F.summarize(run)
     assert b["late_loss"] == pytest.approx(sum(5.0 - 0.1 * i for i in range(11, 21)) / 10)
     assert F.compare(g, b)["late_loss_diff_pct"] == pytest.approx(2.0)  # first half left out
+
+
+def test_contenders_subset_on_another_config_gets_its_own_section(tmp_path, monkeypatch):
+    from megatron_grpo.bench import __main__ as cli
+
+    ran = []
+
+    def fake_run(self, name, c, extra=(), env=None):
+        ran.append(name)
+        worse = {"baseline": 0.0, "importance": 0.01, "random": 0.03}[c.name]
+        recs = _records(40, lambda i: 1000 if c.name == "baseline" or i <= 10 else 250,
+                        tiered_from=None if c.name == "baseline" else 11)
+        for r in recs:
+            r["loss"] += worse * (1 + 0.1 * int(extra[-1]))
+            r["run"] = name
+        return recs
+
+    monkeypatch.setattr(runner.Runner, "run", fake_run)
+    monkeypatch.setattr(cli, "ensure_data", lambda path: None)
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("# Benchmarks\n\n<!-- bench:ablation -->\ntiny figures\n<!-- /bench:ablation -->\n")
+    argv = ["ablation", "--out", str(tmp_path / "o"), "--config", "launch/configs/small.yaml",
+            "--seeds", "1", "2", "--contenders", "importance", "random", "--update-docs",
+            "--docs", str(docs)]
+    assert cli.main(argv) == 0
+    assert ran == ["baseline-s1", "importance-s1", "random-s1",
+                   "baseline-s2", "importance-s2", "random-s2"]
+    text = docs.read_text()
+    assert "tiny figures" in text  # the tiny model's section is left alone
+    section = text.split("<!-- bench:ablation-small -->")[1].split("<!-- /bench:ablation-small -->")[0]
+    assert "score variants (small.yaml)" in section
+    rows = [line.split(" | ")[0].lstrip("| ") for line in section.splitlines() if line.startswith("| ")]
+    assert rows == ["contender", "importance", "random"]
+    assert "late loss: importance ranking beats random tiers" in section
+    saved = json.loads((tmp_path / "o" / "ablation" / "ablation-small.json").read_text())
+    assert saved["suite"] == "ablation-small"
+    assert cli.main([*argv[:-4], "--contenders", "nope"]) == 1
