@@ -20,6 +20,20 @@ def peak_rss_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def step_peak_rss_bytes() -> Optional[int]:
+    """Peak resident set size since the previous call (Linux VmHWM, then reset through
+    /proc/self/clear_refs), so a step's peak is seen even after an earlier, larger one; the
+    whole-run peak is the running maximum. None where /proc does not offer it."""
+    try:
+        with open("/proc/self/status") as fh:
+            hwm = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:"))
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return hwm
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
 class MetricsSink:
     """Does nothing; subclasses write somewhere."""
 

@@ -95,6 +95,23 @@ def summarize(records: List[Dict], steady_from: int = 0) -> Dict:
             "gvr": [min(r["grpo_gvr_dynamic"] for r in health),
                     max(r["grpo_gvr_dynamic"] for r in health)],
         }
+    # The steady window's peak: memory the memory tier frees after warm-up shows here, while
+    # the whole-run peak also holds the warm-up's (every unit core, all state resident).
+    if any("step_peak_rss_bytes" in r for r in steady):
+        out["steady_peak_rss_mb"] = max(r.get("step_peak_rss_bytes", 0) for r in steady) / 2**20
+    if any("step_peak_device_bytes" in r for r in steady):
+        out["steady_peak_device_mb"] = max(r.get("step_peak_device_bytes", 0) for r in steady) / 2**20
+    if any("offload_bytes_written" in r for r in steady):
+        moved = [r["offload_bytes_written"] + r["offload_bytes_read"] for r in steady]
+        busy = sum(r["offload_io_busy_s"] for r in steady)
+        stall = sum(r["offload_stall_s"] for r in steady)
+        out["offload"] = {
+            "moved_mb_per_step": statistics.mean(moved) / 2**20,
+            "busy_s": busy, "stall_s": stall,
+            "hidden_share": (1 - stall / busy) if busy > 0 else None,
+            "stable_away_mb": max(r.get("offload_bytes_stable_ssd", 0) + r.get("offload_bytes_stable_cpu", 0)
+                                  for r in steady) / 2**20,
+        }
     if any("peak_device_bytes" in r for r in records):
         out["peak_device_mb"] = max(r.get("peak_device_bytes", 0) for r in records) / 2**20
     if any("grpo_ef_bytes" in r for r in records):
@@ -129,6 +146,8 @@ def compare(run: Dict, base: Dict) -> Dict:
         "steady_optimizer_time_ratio": ratio("steady_optimizer_time_s"),
         "optimizer_time_ratio": ratio("optimizer_time_s"),
         "peak_rss_ratio": ratio("peak_rss_mb"),
+        "steady_peak_rss_ratio": ratio("steady_peak_rss_mb"),
+        "steady_peak_device_ratio": ratio("steady_peak_device_mb"),
     }
     # Validation difference along the run, at the iterations both evaluated.
     base_vals = dict((int(i), v) for i, v in base.get("val_curve", []))

@@ -1,5 +1,12 @@
-"""Memory: where each run's memory lives (host RSS, device, GRPO's error-feedback residuals),
-baseline beside GRPO, on the tiny model; the memory-tier contenders say why they did not run.
+"""Memory: where each run's memory lives, baseline beside GRPO and GRPO with its memory tier
+(the stable tier's optimizer state on SSD between updates), on a ~87 M-parameter model where
+state, not the runtime, fills a rank's resident set.
+
+The figure is the peak resident set of the steady window (after warm-up and tiering, when the
+memory tier has moved what it moves), per step: the whole-run peak also holds the warm-up's, when
+every unit is core and all state is resident. All runs get glibc's mmap threshold fixed at 1 MiB
+(``MALLOC_MMAP_THRESHOLD_``): large host allocations are then mapped and unmapped, so memory a
+run frees shows as freed; the default dynamic threshold keeps freed blocks in the heap.
 """
 
 from __future__ import annotations
@@ -12,7 +19,8 @@ from megatron_grpo.bench.runner import CONFIGS, Contender
 from megatron_grpo.bench.sidebyside import plot_path, run_all
 from megatron_grpo.bench.suite import SuiteResult
 
-DEFAULT_CONFIG = os.path.join(CONFIGS, "tiny.yaml")
+DEFAULT_CONFIG = os.path.join(CONFIGS, "mem100m.yaml")
+ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 
 
 def _cuda() -> bool:
@@ -21,12 +29,15 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def contenders():
+def contenders(offload_dir: str = "{offload_dir}"):
     cuda = _cuda()
     return [
         Contender("baseline", [], "megatron-core, all state on the training device"),
         Contender("grpo", ["--grpo"], "GRPO defaults (adds error-feedback residuals of the "
-                  "dynamic tier: one fp32 copy of its gradient buckets)"),
+                  "dynamic tier, fp32 masters of its own and the delayed stable accumulators)"),
+        Contender("grpo-ssd", ["--grpo", "--grpo-offload", "ssd", "--grpo-offload-dir", offload_dir],
+                  "GRPO with the memory tier: the stable tier's Adam moments and masters on SSD "
+                  "between its updates, prefetched a step ahead"),
         Contender("megatron-cpu-offload", ["--optimizer-cpu-offload"],
                   "megatron-core optimizer_cpu_offload (HybridDeviceOptimizer)",
                   skip=("--optimizer-cpu-offload is not wired into the training entry yet "
@@ -34,37 +45,48 @@ def contenders():
                   ("needs CUDA: megatron's HybridDeviceOptimizer moves optimizer state between "
                    "torch.cuda streams; on a CPU run that state is already in host memory, so "
                    "there is nothing to offload")),
-        Contender("grpo-memory-tier", ["--grpo"], "GRPO memory tier (128 MB chunks to CPU/SSD)",
-                  skip="not built yet (issue 10): no contender is faked"),
     ]
 
 
 def run(args, command: str) -> SuiteResult:
-    cands = contenders()
+    offload_dir = os.path.join(os.path.abspath(args.out), "memory", "offload")
+    os.makedirs(offload_dir, exist_ok=True)
+    cands = contenders(offload_dir)
     runnable = [c for c in cands if not c.skip]
-    spec, records, summaries, cmp, _, load = run_all("memory", args, DEFAULT_CONFIG, runnable)
-    res = SuiteResult("memory", "Memory by location: baseline and GRPO", command,
-                      ["contender", "peak host RSS MB", "ratio", "peak device MB",
-                       "GRPO residuals MB", "val loss"])
+    spec, records, summaries, cmp, _, load = run_all("memory", args, DEFAULT_CONFIG, runnable, ENV)
+    res = SuiteResult("memory", "Memory by location: baseline, GRPO and its memory tier", command,
+                      ["contender", "steady peak RSS MB", "ratio", "whole-run peak RSS MB",
+                       "steady peak device MB", "stable state away MB", "moved MB/step",
+                       "copy time hidden", "val loss"])
     rows = {}
     for c in runnable:
         s, k = summaries[c.name], cmp[c.name]
-        res.rows.append([c.name, f"{s['peak_rss_mb']:.0f}", F.fmt(k["peak_rss_ratio"], ".3f"),
-                         F.fmt(s.get("peak_device_mb"), ".0f"), F.fmt(s.get("grpo_ef_mb"), ".2f"),
+        off = s.get("offload") or {}
+        res.rows.append([c.name, F.fmt(s.get("steady_peak_rss_mb"), ".0f"),
+                         F.fmt(k["steady_peak_rss_ratio"], ".3f"), f"{s['peak_rss_mb']:.0f}",
+                         F.fmt(s.get("steady_peak_device_mb"), ".0f"),
+                         F.fmt(off.get("stable_away_mb"), ".0f"),
+                         F.fmt(off.get("moved_mb_per_step"), ".1f"),
+                         F.fmt(100 * off["hidden_share"] if off.get("hidden_share") is not None
+                               else None, ".1f", " %"),
                          F.fmt(s["val_loss"], ".4f")])
-        loc = {"host RSS (peak)": s["peak_rss_mb"]}
-        if s.get("peak_device_mb") is not None:
-            loc["device (peak)"] = s["peak_device_mb"]
+        loc = {"host RSS (steady peak)": s.get("steady_peak_rss_mb") or s["peak_rss_mb"]}
+        if s.get("steady_peak_device_mb") is not None:
+            loc["device (steady peak)"] = s["steady_peak_device_mb"]
+        if off.get("stable_away_mb"):
+            loc["SSD (stable state)"] = off["stable_away_mb"]
         rows[c.name] = loc
     for c in cands:
         if c.skip:
-            res.rows.append([c.name, "-", "-", "-", "-", "-"])
+            res.rows.append([c.name, *["-"] * (len(res.header) - 1)])
             res.notes.append(f"{c.name} not run: {c.skip}")
-    res.notes.append("GRPO residuals are inside the host RSS on a CPU run (they live where the "
-                     "gradients live); offload bandwidth: no offload contender ran, so none is "
-                     "plotted")
+    res.notes.append(f"steady window from iteration {summaries['baseline']['steady_from']}; "
+                     f"all runs with MALLOC_MMAP_THRESHOLD_={ENV['MALLOC_MMAP_THRESHOLD_']} "
+                     f"(freed host memory returns to the OS)")
+    res.notes.append("copy time hidden: share of the offload copies' busy time the step did not "
+                     "wait for (1 - stall / busy)")
     res.notes.append(load)
     res.data = {"summaries": summaries, "compare": cmp}
     res.plots["memory by location"] = plots.memory_by_location(
-        rows, plot_path(spec, "memory.png"), "peak memory per rank")
+        rows, plot_path(spec, "memory.png"), "peak memory per rank, steady window")
     return res

@@ -58,6 +58,9 @@ class RunSpec:
     """Reuse a complete run with the same command instead of training it again."""
     timeout_s: float = 4 * 3600
     """Wall-clock limit of one run; a run over it is killed and reported."""
+    env: Dict[str, str] = dataclasses.field(default_factory=dict)
+    """Environment every run of the suite gets on top of the bench's own (memory: glibc's
+    mmap threshold, so freed host memory returns to the OS and shows in the RSS)."""
 
 
 def _free_port() -> int:
@@ -193,7 +196,7 @@ class Runner:
         port = str(_free_port())
         argv = [c.replace("{port}", port) for c in cmd]
         run_env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-                       PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1", **(env or {}))
+                       PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1", **self.spec.env, **(env or {}))
         print(f"[bench {self.suite}] {shown}", flush=True)
         if os.path.exists(cmd_file):  # the old run's record goes with the old run's metrics
             os.remove(cmd_file)

@@ -45,10 +45,11 @@ class Grid:
 
 
 def run_grid(suite: str, args, default_config: str, contenders: List[Contender],
-             default_seeds: Sequence[int]) -> Grid:
+             default_seeds: Sequence[int], env: Optional[Dict[str, str]] = None) -> Grid:
     """Train every runnable contender for every seed (seed-major, so a partial suite has whole
     seeds); contenders[0] is the baseline every other one is compared with."""
     spec = args.spec(default_config, suite)
+    spec.env = dict(env or {})
     seeds = list(args.seeds or default_seeds)
     todo = [c for c in select(contenders, getattr(args, "contenders", None), suite) if not c.skip]
     runner = Runner(suite, spec, len(todo) * len(seeds))
@@ -92,13 +93,14 @@ def section_name(suite: str, config: str, default_config: str) -> str:
     return f"{suite}-{os.path.splitext(os.path.basename(config))[0]}"
 
 
-def run_all(suite: str, args, default_config: str, contenders: List[Contender]):
+def run_all(suite: str, args, default_config: str, contenders: List[Contender],
+            env: Optional[Dict[str, str]] = None):
     """One seed (the first of --seeds, else the config's): (spec, records, summaries,
     comparisons, steady-window start, machine-load note), dicts keyed by contender name."""
     spec = args.spec(default_config, suite)
     seed = (args.seeds or [int(config_value(spec.config, "seed", spec.common) or 1234)])[0]
     one = type(args)(**{**vars(args), "seeds": [seed]})
-    grid = run_grid(suite, one, default_config, contenders, [seed])
+    grid = run_grid(suite, one, default_config, contenders, [seed], env)
     pick = lambda d: {n: v[seed] for n, v in d.items()}  # noqa: E731
     return (spec, pick(grid.records), pick(grid.summaries), pick(grid.compare), grid.steady_from,
             grid.load_note)

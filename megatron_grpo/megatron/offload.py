@@ -22,17 +22,18 @@ from megatron_grpo.offload.placement import TierPlacement, planned_bytes
 PER_ELEMENT_STATES = 3
 
 
-def unit_state(optimizer, ctrl) -> Dict[int, List[Tuple[str, torch.Tensor]]]:
-    """{unit index: [(name, tensor)]} of this rank's offloadable optimizer state."""
-    out: Dict[int, List[Tuple[str, torch.Tensor]]] = {}
+def unit_state(optimizer, ctrl) -> Dict[Tuple[int, str], List[Tuple[str, torch.Tensor]]]:
+    """{(unit index, "master" | "moments"): [(name, tensor)]} of this rank's offloadable
+    optimizer state."""
+    out: Dict[Tuple[int, str], List[Tuple[str, torch.Tensor]]] = {}
     for oi, opt in enumerate(grpo_optimizers(optimizer)):
         for pi, (model_param, shard) in enumerate(opt._pairs()):
             unit = ctrl.unit_of_bucket[id(opt._bucket_of(model_param))]
-            pairs = out.setdefault(unit, [])
-            pairs.append((f"opt{oi}.p{pi}.master", shard))
+            out.setdefault((unit, "master"), []).append((f"opt{oi}.p{pi}.master", shard))
+            moments = out.setdefault((unit, "moments"), [])
             for key, value in opt.optimizer.state.get(shard, {}).items():
                 if torch.is_tensor(value) and value.numel() == shard.numel() and value.numel() > 1:
-                    pairs.append((f"opt{oi}.p{pi}.{key}", value))
+                    moments.append((f"opt{oi}.p{pi}.{key}", value))
     return out
 
 
@@ -42,7 +43,8 @@ def build_placement(config: OffloadConfig, optimizer, ctrl, rank: int) -> Option
     unwritable or too small --grpo-offload-dir fails before any training."""
     if config.target == "none":
         return None
-    masters = [shard for pairs in unit_state(optimizer, ctrl).values() for _, shard in pairs]
+    masters = [shard for (_, kind), pairs in unit_state(optimizer, ctrl).items() if kind == "master"
+               for _, shard in pairs]
     sizes = [s.numel() * 4 for s in masters for _ in range(PER_ELEMENT_STATES)]
     store_cfg = dataclasses.replace(config)
     if config.target == "ssd":
@@ -57,7 +59,52 @@ def build_placement(config: OffloadConfig, optimizer, ctrl, rank: int) -> Option
               f"(--grpo-offload-fallback cpu): the stable tier's state is offloaded to cpu.",
               flush=True)
         target = "cpu"
-    placement = TierPlacement(store, target)
+    placement = TierPlacement(store, target, stream=config.stream_moments)
     for opt in grpo_optimizers(optimizer):
         opt.placement = placement
+        if config.stream_moments:
+            _window_inner_step(opt, placement, ctrl)
     return placement
+
+
+def _window_inner_step(opt, placement: TierPlacement, ctrl) -> None:
+    """Replace the inner torch optimizer's step with one that updates the resident units in one
+    call, then the streamed units one at a time through ``placement.stream``. Adam's update is
+    per element and per parameter (each parameter is stepped exactly once, with the step's own
+    lr), so the result is bit for bit the single call's; only what is resident meanwhile differs."""
+    inner = opt.optimizer
+    whole_step = inner.step
+
+    def step_only(params, closure=None):
+        wanted = {id(p) for p in params}
+        held = []
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and id(p) not in wanted:
+                    held.append((p, p.grad))
+                    p.grad = None
+        try:
+            return whole_step(closure)
+        finally:
+            for p, grad in held:
+                p.grad = grad
+
+    def windowed_step(closure=None):
+        keys = placement.windows(ctrl.step.stable_update)
+        unit_of = {id(shard): ctrl.unit_of_bucket[id(opt._bucket_of(mp))] for mp, shard in opt._pairs()}
+        streamed, rest = {}, []
+        wanted = set(keys)
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                key = (unit_of.get(id(p)), "moments")
+                if key in wanted:
+                    streamed.setdefault(key, []).append(p)
+                else:
+                    rest.append(p)
+        result = step_only(rest, closure) if rest else None
+        placement.stream([k for k in keys if k in streamed], lambda k: step_only(streamed[k]))
+        return result
+
+    inner.step = windowed_step

@@ -4,9 +4,17 @@ The stable tier is updated once every ``--grpo-stable-interval`` steps. Between 
 optimizer never reads its state (GRPO gives those shards no gradient, so Adam skips them), so
 its Adam moments and fp32 master shards can leave device memory: they are evicted to host
 memory or to the rank's SSD file after an update and prefetched one step before the next, on
-the chunk store's worker threads, so the copies overlap a whole step of compute. Core and
-dynamic units stay resident (they are used every step; streaming the dynamic tier through a
-window is the next part of the issue).
+the chunk store's worker threads, so the copies overlap a whole step of compute.
+
+With ``stream=True`` the Adam moments of the dynamic tier (and of the stable tier at its
+updates) live away too and pass through the optimizer step one tier unit at a time: unit i+1's
+moments are read back while unit i is updated, and unit i's go out again right after
+(``stream()``, driven by the glue's windowed optimizer step), so at most two units' moments are
+resident at once. The first unit's are prefetched during forward and backward. Core units and
+dynamic masters stay resident (the masters are read again after the step, when the new weights
+are copied to the model).
+
+State is placed in groups keyed ``(unit index, kind)``: kind ``master`` or ``moments``.
 
 Evicting frees memory for real: once every chunk of a tensor is safely away its storage is
 resized to zero bytes (the tensor keeps its shape and identity, so the optimizer and megatron
@@ -24,13 +32,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, Hashable, List, Sequence, Tuple
 
 import torch
 
 from .store import ChunkStore
 
 TARGETS = ("none", "cpu", "ssd")
+STREAMED_TIERS = ("dynamic", "stable")
 RESIDENT, EVICTING, AWAY, FETCHING = "resident", "evicting", "away", "fetching"
 
 
@@ -63,18 +72,18 @@ def owns_storage(tensor: torch.Tensor) -> bool:
 class TierPlacement:
     """Moves units' state between device and ``target`` (cpu or ssd) on a ChunkStore."""
 
-    def __init__(self, store: ChunkStore, target: str):
+    def __init__(self, store: ChunkStore, target: str, stream: bool = False):
         if target not in ("cpu", "ssd"):
             raise ValueError(f"offload: TierPlacement target must be cpu or ssd, got {target!r}")
-        self.store, self.target = store, target
-        self.units: Dict[int, _Unit] = {}
-        self._known: Dict[int, Tuple[int, str]] = {}  # id(tensor) -> (unit, name)
+        self.store, self.target, self.stream_moments = store, target, stream
+        self.units: Dict[Hashable, _Unit] = {}
+        self._known: Dict[int, Tuple[Hashable, str]] = {}  # id(tensor) -> (key, name)
         self.stall_s = 0.0  # time the training loop waited for prefetches, this step
         self._last_stats = store.stats()
         self.tiers: Sequence[str] = ()
 
     # ---- registration ------------------------------------------------------------------
-    def add(self, state: Dict[int, List[Tuple[str, torch.Tensor]]]) -> None:
+    def add(self, state: Dict[Hashable, List[Tuple[str, torch.Tensor]]]) -> None:
         """Register state tensors not seen before (optimizer state appears lazily, at a
         parameter's first update). A tensor seen before must still be the same object: state
         replaced behind the store's back (a load into new tensors) would be lost, so it is an
@@ -102,7 +111,8 @@ class TierPlacement:
                     # created at a unit's first update, when it is resident).
                     self._fetch(placed)
                     self._wait(placed)
-                ids = self.store.register(f"unit{unit}/{name}", tensor)
+                label = "/".join(map(str, unit)) if isinstance(unit, tuple) else str(unit)
+                ids = self.store.register(f"unit{label}/{name}", tensor)
                 placed.tensors.append(_Placed(name, tensor, ids, tensor.numel() * tensor.element_size()))
                 self._known[id(tensor)] = (unit, name)
 
@@ -110,42 +120,80 @@ class TierPlacement:
     def begin_step(self, tiers: Sequence[str], update_now: bool, update_next: bool) -> None:
         """Before a step: free what finished evicting, then evict the stable units this step
         and the next do not update, and prefetch those the next step updates (one step ahead,
-        so the copy overlaps this step's compute)."""
+        so the copy overlaps this step's compute); with streaming, start reading back the
+        first unit the optimizer step will update."""
         self.tiers = list(tiers)
         self.stall_s = 0.0
         self.settle()
-        for index, unit in self.units.items():
-            if self.needed(index, update_now or update_next):
+        for key, unit in self.units.items():
+            if self.needed(key, update_now or update_next):
                 if unit.state in (EVICTING, AWAY):
                     self._fetch(unit)
             elif unit.state in (RESIDENT, FETCHING):
                 self._evict(unit)
+        windows = self.windows(update_now)
+        if windows:
+            self._fetch_if_away(windows[0])
 
-    def needed(self, index: int, update: bool) -> bool:
-        tier = self.tiers[index] if index < len(self.tiers) else "core"
-        return tier != "stable" or update
+    def tier(self, key: Hashable) -> str:
+        index = key[0] if isinstance(key, tuple) else key
+        return self.tiers[index] if index < len(self.tiers) else "core"
+
+    def streamed(self, key: Hashable) -> bool:
+        return (self.stream_moments and isinstance(key, tuple) and key[1] == "moments"
+                and self.tier(key) in STREAMED_TIERS)
+
+    def needed(self, key: Hashable, update: bool) -> bool:
+        """Resident outside the optimizer step's stream: everything but the stable tier
+        between its updates and streamed moments."""
+        if self.streamed(key):
+            return False
+        return self.tier(key) != "stable" or update
+
+    def windows(self, update_now: bool) -> List[Hashable]:
+        """The streamed groups this step's optimizer updates, in the order it updates them."""
+        return [k for k in self.units if self.streamed(k)
+                and (self.tier(k) != "stable" or update_now)]
 
     def ensure(self, update_now: bool) -> None:
-        """Before the optimizer reads state: wait for every unit this step uses (the wait is
-        the stall, reported per step) and free what has finished evicting."""
-        for index, unit in self.units.items():
-            if self.needed(index, update_now) and unit.state != RESIDENT:
-                if unit.state in (EVICTING, AWAY):  # not asked for in time: fetch now
-                    self._fetch(unit)
-                start = time.perf_counter()
-                self._wait(unit)
-                self.stall_s += time.perf_counter() - start
+        """Before the optimizer reads state: wait for every group this step uses outside the
+        stream (the wait is the stall, reported per step) and free what finished evicting."""
+        for key, unit in self.units.items():
+            if self.needed(key, update_now) and unit.state != RESIDENT:
+                self._fetch_if_away(key)
+                self._timed_wait(unit)
         self.settle()
+
+    def stream(self, keys: Sequence[Hashable], run: Callable[[Hashable], None]) -> None:
+        """Run ``run(key)`` for each streamed group in turn with its state resident: the next
+        group is read back while this one runs, and this one goes out right after, so two
+        groups at most are resident."""
+        for i, key in enumerate(keys):
+            self._fetch_if_away(key)
+            self._timed_wait(self.units[key])
+            if i + 1 < len(keys):
+                self._fetch_if_away(keys[i + 1])
+            run(key)
+            self._evict(self.units[key])
+        self.settle()
+
+    def _fetch_if_away(self, key: Hashable) -> None:
+        unit = self.units[key]
+        if unit.state in (EVICTING, AWAY):
+            self._fetch(unit)
+
+    def _timed_wait(self, unit: _Unit) -> None:
+        if unit.state == RESIDENT:
+            return
+        start = time.perf_counter()
+        self._wait(unit)
+        self.stall_s += time.perf_counter() - start
 
     def resident_all(self) -> None:
         """Bring everything back (before a checkpoint is written, and at the end)."""
-        for unit in self.units.values():
-            if unit.state != RESIDENT:
-                if unit.state in (EVICTING, AWAY):
-                    self._fetch(unit)
-                start = time.perf_counter()
-                self._wait(unit)
-                self.stall_s += time.perf_counter() - start
+        for key, unit in self.units.items():
+            self._fetch_if_away(key)
+            self._timed_wait(unit)
         self.store.check()
 
     def settle(self) -> None:
@@ -186,8 +234,8 @@ class TierPlacement:
         """Placed bytes per tier and per location: device (resident or on its way back) or
         the target (away, or being evicted: counted where the move goes)."""
         out: Dict[str, Dict[str, int]] = {}
-        for index, unit in self.units.items():
-            tier = self.tiers[index] if index < len(self.tiers) else "core"
+        for key, unit in self.units.items():
+            tier = self.tier(key)
             where = "device" if unit.state in (RESIDENT, FETCHING) else self.target
             row = out.setdefault(tier, {"device": 0, self.target: 0})
             row[where] += unit.nbytes

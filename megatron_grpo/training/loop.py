@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megatron_grpo.comm.wire import wire_counter
 from megatron_grpo.hooks import RunHooks
-from megatron_grpo.metrics import MetricsLogger, peak_rss_bytes
+from megatron_grpo.metrics import MetricsLogger, peak_rss_bytes, step_peak_rss_bytes
 from megatron_grpo.platform import select_platform
 from megatron_grpo.training import checkpointing
 from megatron_grpo.training.config import PretrainConfig
@@ -215,6 +215,7 @@ def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption) -> RunSu
             "extensions": hooks.checkpoint_state()}, hooks.rank_state())
     step_times: List[float] = []
     logged, wire_after_first = 0, 0
+    rss_high, device_high = 0, 0
     counter.reset()
     iteration = start_iter
     while iteration < t.train_iters:
@@ -245,12 +246,20 @@ def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption) -> RunSu
             "wire_bytes_logging": wire["by_tag"].get("logging", 0),
             "wire_calls": wire["calls"],
             "consumed_samples": train_iter.consumed_samples,
-            "peak_rss_bytes": peak_rss_bytes(),
             "skipped": not result.update_successful,
         }
+        # Per-step peaks (reset after each read), so memory freed after warm-up -- the memory
+        # tier's offload -- shows; the whole-run peaks are their running maxima.
+        step_rss = step_peak_rss_bytes()
+        if step_rss is not None:
+            rss_high = max(rss_high, step_rss)
+            record["step_peak_rss_bytes"] = step_rss
+        record["peak_rss_bytes"] = rss_high if step_rss is not None else peak_rss_bytes()
         device_peak = optional_device_peak(platform)
         if device_peak is not None:
-            record["peak_device_bytes"] = device_peak
+            device_high = max(device_high, device_peak)
+            record["step_peak_device_bytes"] = device_peak
+            record["peak_device_bytes"] = device_high
         record.update(hooks.step_metrics(iteration, wire, step_time))
         if weight_check.check_due(hash_interval, iteration):
             hashes = weight_check.check_weight_hashes(built.ddp_model)  # tagged "weight_check"
@@ -308,7 +317,7 @@ def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption) -> RunSu
         summary.tokens_per_s = gbs * seq / summary.median_step_time_s
         if logged > 1:
             summary.wire_bytes_per_step = wire_after_first / (logged - 1)
-        summary.peak_rss_bytes = peak_rss_bytes()
+        summary.peak_rss_bytes = rss_high or peak_rss_bytes()
     return summary
 
 

@@ -232,6 +232,9 @@ def is_metrics_rank() -> bool:
 
 
 def optional_device_peak(platform: Platform) -> Optional[int]:
+    """Peak allocated device memory since the previous call (then reset), None on CPU."""
     if platform.cpu_mode:
         return None
-    return int(torch.cuda.max_memory_allocated())
+    peak = int(torch.cuda.max_memory_allocated())
+    torch.cuda.reset_peak_memory_stats()
+    return peak

@@ -153,5 +153,43 @@ def test_background_error_reaches_the_step(tmp_path):
         p.store.close()
 
 
+def test_stream_keeps_two_groups_resident_at_most_and_restores_every_byte(tmp_path):
+    g = torch.Generator().manual_seed(6)
+    st = {(u, "moments"): [("m", torch.randn(20_000, generator=g))] for u in range(4)}
+    st[(4, "moments")] = [("m", torch.randn(20_000, generator=g))]  # a core unit: never streamed
+    ref = {k: v[0][1].clone() for k, v in st.items()}
+    tiers = ["dynamic", "dynamic", "stable", "dynamic", "core"]
+    p = TierPlacement(ChunkStore(OffloadConfig(chunk_mb=CHUNK / (1 << 20), offload_dir=str(tmp_path),
+                                               capacity=8 << 20), rank=0), "ssd", stream=True)
+    try:
+        p.add(st)
+        p.begin_step(tiers, update_now=False, update_next=False)
+        assert p.windows(update_now=False) == [(0, "moments"), (1, "moments"), (3, "moments")]
+        assert p.windows(update_now=True) == [(0, "moments"), (1, "moments"), (2, "moments"),
+                                              (3, "moments")]
+        p.ensure(update_now=False)
+        seen = []
+
+        def run(key):
+            resident = [k for k, u in p.units.items() if u.state in ("resident", "fetching")
+                        and k[0] != 4]
+            seen.append((key, len(resident)))
+            assert torch.equal(st[key][0][1], ref[key])
+            st[key][0][1].add_(1.0)  # the optimizer's update
+
+        p.stream(p.windows(update_now=True), run)
+        assert [k for k, _ in seen] == [(0, "moments"), (1, "moments"), (2, "moments"), (3, "moments")]
+        assert all(n <= 2 for _, n in seen)  # this group and the next one
+        p.store.wait_all()
+        p.settle()
+        assert all(storage_bytes(st[(u, "moments")][0][1]) == 0 for u in range(4))
+        assert storage_bytes(st[(4, "moments")][0][1]) == 80_000
+        p.resident_all()
+        for k in range(4):
+            assert torch.equal(st[(k, "moments")][0][1], ref[(k, "moments")] + 1.0)
+    finally:
+        p.close()
+
+
 def test_planned_bytes_rounds_each_chunk_up():
     assert planned_bytes([1, CHUNK, CHUNK + 1], CHUNK) == 4096 + CHUNK + CHUNK + 4096
