@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
 def spec_from_flags(train_argv: Sequence[str], nodes: int, gpus_per_node: int, gpu_memory_gb: float,
                     link_gbps: float, vocab: int = DEFAULT_VOCAB, attention: str = "flash",
                     nvlink_gbps: float = 3600.0):
-    """(ModelSpec, ClusterSpec, GRPOConfig, ddp bucket size) from training flags/--config."""
+    """(ModelSpec, ClusterSpec, GRPOConfig, ddp bucket size, OffloadConfig) from training
+    flags/--config."""
     from megatron_grpo.planner import ClusterSpec, ModelSpec
     from megatron_grpo.training.arguments import parse_args
 
@@ -79,7 +80,7 @@ def spec_from_flags(train_argv: Sequence[str], nodes: int, gpus_per_node: int, g
     cluster = ClusterSpec(nodes=nodes, gpus_per_node=gpus_per_node, gpu_memory_gb=gpu_memory_gb,
                           link_gbps=link_gbps, tp=cfg.parallel.tensor_model_parallel_size,
                           pp=cfg.parallel.pipeline_model_parallel_size, nvlink_gbps=nvlink_gbps)
-    return model, cluster, cfg.grpo, cfg.parallel.ddp_bucket_size
+    return model, cluster, cfg.grpo, cfg.parallel.ddp_bucket_size, cfg.offload
 
 
 def preset_plans():
@@ -87,7 +88,7 @@ def preset_plans():
 
     out = []
     for name, config, nodes in PRESETS:
-        model, cluster, grpo, bucket = spec_from_flags(
+        model, cluster, grpo, bucket, _ = spec_from_flags(
             ["--config", os.path.join(REPO, config)], nodes, **PRESET_CLUSTER)
         out.append((name, plan(model, cluster, grpo, bucket_size=bucket)))
     return out
@@ -109,11 +110,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.all_presets:
             print(presets_table())
             return 0
-        model, cluster, grpo, bucket = spec_from_flags(
+        model, cluster, grpo, bucket, offload = spec_from_flags(
             train_argv, args.nodes, args.gpus_per_node, args.gpu_memory_gb, args.link_gbps,
             args.vocab_size, args.attention, args.nvlink_gbps)
         name = next((a for a in train_argv if a.endswith((".yaml", ".yml"))), "model")
-        print(format_plan(plan(model, cluster, grpo, bucket_size=bucket), os.path.basename(name)))
+        print(format_plan(plan(model, cluster, grpo, bucket_size=bucket, offload=offload),
+                          os.path.basename(name)))
     except (ConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -168,7 +168,12 @@ class Memory:
     delayed_accumulators: int = 0
     """GRPO --grpo-stable-mode delayed: fp32 gradient accumulator per stable-tier element."""
     offloaded: int = 0
-    """Bytes moved to host/SSD: 0, the offload tier is not built yet."""
+    """Bytes of this rank's state on host/SSD at the step's peak (--grpo-offload): the Adam
+    moments of the streamed dynamic and stable units, less the two units' worth streaming keeps
+    resident. Subtracted from model_state."""
+    offloaded_between_updates: int = 0
+    """Also away on the steps between stable updates (the stable tier's masters); not
+    subtracted: the update steps hold them."""
 
     @property
     def optimizer(self) -> int:
@@ -354,9 +359,24 @@ def _memory(model: ModelSpec, cluster: ClusterSpec, buckets: List[int], unpadded
                   delayed_accumulators=round(4 * accum_elements))
 
 
+def _place(g: Memory, units: List[int], elements: Dict[str, float], shard: float, dp: int,
+           stream: bool) -> None:
+    """The memory tier's effect on one rank (megatron_grpo/offload/placement.py): streamed
+    moments are away at the peak but for two units' worth; stable masters (and, unstreamed,
+    stable moments) are away only between stable updates."""
+    total = sum(elements.values()) or 1.0
+    share = {t: elements[t] / total for t in elements}
+    if stream:
+        window = 2 * 8 * max(units) / dp  # two units' moments shards
+        g.offloaded = max(0, round(8 * shard * (share["dynamic"] + share["stable"]) - window))
+        g.offloaded_between_updates = round(4 * shard * share["stable"])
+    else:
+        g.offloaded_between_updates = round(12 * shard * share["stable"])
+
+
 def plan(model: ModelSpec, cluster: ClusterSpec, grpo: GRPOConfig,
          bucket_size: Optional[int] = None, tiers: Optional[Sequence[str]] = None,
-         stage: Optional[int] = None) -> Plan:
+         stage: Optional[int] = None, offload=None) -> Plan:
     """Predict memory and DP traffic, baseline vs GRPO.
 
     ``bucket_size``: the baseline's DDP bucket (elements); None is megatron's default
@@ -365,6 +385,7 @@ def plan(model: ModelSpec, cluster: ClusterSpec, grpo: GRPOConfig,
     unit of ``stage`` (e.g. metrics ``grpo_tier_map``) for exact bytes; None assumes the quota
     shares by element. ``stage``: report this pipeline stage (required with ``tiers`` when pp > 1);
     None reports the stage with the most memory and the stage with the most traffic.
+    ``offload``: an OffloadConfig (--grpo-offload ...) whose placement is applied to GRPO's memory.
     """
     model.validate()
     cluster.validate(model)
@@ -400,6 +421,8 @@ def plan(model: ModelSpec, cluster: ClusterSpec, grpo: GRPOConfig,
         accum = elements["stable"] if grpo.stable_mode == "delayed" else 0.0
         g = _memory(model, cluster, units, sum(numels), act, separate_fp32_master=True,
                     ef_elements=elements["dynamic"] if dp > 1 else 0.0, accum_elements=accum)
+        if offload is not None and offload.target != "none":
+            _place(g, units, elements, sum(numels) / dp, dp, offload.stream_moments)
         return baseline, g
 
     if stage is not None:
@@ -467,7 +490,9 @@ def format_plan(p: Plan, name: str = "") -> str:
             ("fp32 master params", "master_params"), ("Adam moments", "optimizer_moments"),
             ("activations", "activations"),
             ("error feedback", "error_feedback"), ("delayed accumulators", "delayed_accumulators"),
-            ("offloaded (not built)", "offloaded"), ("model state", "model_state"), ("total", "total")]
+            ("offloaded at the peak (--grpo-offload)", "offloaded"),
+            ("  also away between stable updates", "offloaded_between_updates"),
+            ("model state", "model_state"), ("total", "total")]
     for label, attr in rows:
         lines.append(f"  {label:<40}{fmt(getattr(p.baseline_memory, attr)):>10}"
                      f"{fmt(getattr(p.grpo_memory, attr)):>10}")

@@ -15,7 +15,7 @@ import os
 
 from megatron_grpo.bench import figures as F
 from megatron_grpo.bench import plots
-from megatron_grpo.bench.runner import CONFIGS, Contender
+from megatron_grpo.bench.runner import CONFIGS, REPO, Contender
 from megatron_grpo.bench.sidebyside import plot_path, run_all
 from megatron_grpo.bench.suite import SuiteResult
 
@@ -80,6 +80,7 @@ def run(args, command: str) -> SuiteResult:
         if c.skip:
             res.rows.append([c.name, *["-"] * (len(res.header) - 1)])
             res.notes.append(f"{c.name} not run: {c.skip}")
+    res.notes += _planner_check(spec, records, summaries)
     res.notes.append(f"steady window from iteration {summaries['baseline']['steady_from']}; "
                      f"all runs with MALLOC_MMAP_THRESHOLD_={ENV['MALLOC_MMAP_THRESHOLD_']} "
                      f"(freed host memory returns to the OS)")
@@ -90,3 +91,45 @@ def run(args, command: str) -> SuiteResult:
     res.plots["memory by location"] = plots.memory_by_location(
         rows, plot_path(spec, "memory.png"), "peak memory per rank, steady window")
     return res
+
+
+def _planner_check(spec, records, summaries) -> list:
+    """launch/plan.py's offload figures for this model and the run's own tier map, against what
+    the SSD run placed (its per-step offload_bytes_* records) and what its RSS saved."""
+    import importlib.util
+
+    from megatron_grpo.planner import plan
+
+    ssd = [r for r in records.get("grpo-ssd", []) if "grpo_tier_map" in r and r.get("grpo_tiered")]
+    if not ssd:
+        return []
+    module_spec = importlib.util.spec_from_file_location("plan_cli", os.path.join(REPO, "launch", "plan.py"))
+    cli = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(cli)
+    # The byte tokenizer's 258 ids; CPU mode runs megatron's local spec (unfused attention).
+    model, cluster, grpo, bucket, offload = cli.spec_from_flags(
+        ["--config", spec.config, "--grpo", "--grpo-offload", "ssd", "--grpo-offload-dir", "x"],
+        nodes=1, gpus_per_node=spec.nproc, gpu_memory_gb=1.0, link_gbps=1.0, vocab=258,
+        attention="unfused")
+    last = ssd[-1]
+    p = plan(model, cluster, grpo, bucket_size=bucket, tiers=last["grpo_tier_map"], offload=offload)
+    m = p.grpo_memory
+    window = 2 * 8 * max(p.units) / cluster.dp
+    predicted_away = m.offloaded + window + m.offloaded_between_updates
+    # After a step that neither updates the stable tier nor prefetches for it, every streamed
+    # moment and the stable masters are away.
+    plain = [r for r in ssd if r["iteration"] % grpo.stable_interval not in (0, grpo.stable_interval - 1)]
+    measured_away = plain[-1]["offload_bytes_dynamic_ssd"] + plain[-1]["offload_bytes_stable_ssd"]
+    drop = None
+    if summaries.get("grpo", {}).get("steady_peak_rss_mb") and \
+            summaries["grpo-ssd"].get("steady_peak_rss_mb"):
+        drop = summaries["grpo"]["steady_peak_rss_mb"] - summaries["grpo-ssd"]["steady_peak_rss_mb"]
+    mb = 2 ** 20
+    lines = [f"planner (launch/plan.py, this run's tier map): state away after a non-update step "
+             f"{predicted_away / mb:.1f} MB predicted, {measured_away / mb:.1f} MB measured "
+             f"({100 * (measured_away / predicted_away - 1):+.1f} %)"]
+    if drop is not None:
+        lines.append(f"planner: {m.offloaded / mb:.1f} MB away at the step's peak predicted; the "
+                     f"steady peak RSS fell by {drop:.1f} MB from grpo to grpo-ssd "
+                     f"({100 * (drop * mb / m.offloaded - 1):+.1f} %)")
+    return lines

@@ -104,15 +104,34 @@ class StagingPool:
     """At most ``count`` reusable, 4096-aligned host buffers of ``nbytes`` each.
 
     Buffers are made on first need and kept; ``peak_in_use`` and ``allocated`` are the
-    instrumentation the tests read."""
+    instrumentation the tests read. ``fit(n)`` lowers ``nbytes`` to what the largest chunk
+    needs before any buffer exists (and grows it later, never past the limit given at
+    construction): a store of 128 MB chunks over tensors of a few MB stages in buffers of a few
+    MB, which matters where staging shares host memory with training (a CPU run)."""
 
     def __init__(self, count: int, nbytes: int, pinned: bool):
         self.count, self.nbytes, self.pinned = count, nbytes, pinned
+        self.limit = nbytes
+        self._fitted = False
         self.allocated = 0
         self.in_use = 0
         self.peak_in_use = 0
         self._free: List[torch.Tensor] = []
         self._cond = threading.Condition()
+
+    def fit(self, largest: int) -> None:
+        """Size buffers for chunks of at most ``largest`` bytes (aligned, capped at the limit).
+        Free buffers that are too small are dropped; ones in use are dropped when returned."""
+        want = min(self.limit, -(-largest // ALIGN) * ALIGN)
+        with self._cond:
+            if self._fitted and want <= self.nbytes:
+                return
+            self._fitted = True
+            self.nbytes = want
+            kept = [b for b in self._free if b.numel() >= want]
+            self.allocated -= len(self._free) - len(kept)
+            self._free = kept
+            self._cond.notify_all()
 
     def _new_buffer(self) -> torch.Tensor:
         # over-allocate by one alignment unit and slice, so the buffer start suits O_DIRECT
@@ -138,10 +157,10 @@ class StagingPool:
         finally:
             with self._cond:
                 self.in_use -= 1
-                if buf is not None:
+                if buf is not None and buf.numel() >= self.nbytes:
                     self._free.append(buf)
                 else:
-                    self.allocated -= 1  # allocation itself failed
+                    self.allocated -= 1  # allocation failed, or too small since fit()
                 self._cond.notify()
 
 

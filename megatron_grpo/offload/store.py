@@ -129,6 +129,7 @@ class ChunkStore:
                 self._chunks[chunk_id] = _Chunk(chunk_id, name, index, count, view)
                 ids.append(chunk_id)
             self._names[name] = ids
+        self._staging.fit(max(c.nbytes for c in self._chunks.values()))
         return ids
 
     def chunks(self, name: str) -> List[int]:

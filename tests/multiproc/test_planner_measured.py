@@ -47,7 +47,7 @@ def runs(stdlib_data, tmp_path_factory):
 
 def _plan(args, tiers=None):
     # The byte tokenizer's 258 ids; CPU mode runs megatron's local spec (unfused attention).
-    model, cluster, grpo, bucket = plan_cli.spec_from_flags(
+    model, cluster, grpo, bucket, _ = plan_cli.spec_from_flags(
         [*COMMON, *args], nodes=1, gpus_per_node=2, gpu_memory_gb=1.0, link_gbps=1.0, vocab=258,
         attention="unfused")
     return plan(model, cluster, grpo, bucket_size=bucket, tiers=tiers)

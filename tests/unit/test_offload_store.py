@@ -413,3 +413,22 @@ def test_config_needs_a_capacity_with_an_offload_dir(tmp_path):
     with pytest.raises(OffloadConfigError, match=r"OffloadConfig.capacity must be > 0 bytes"):
         OffloadConfig(offload_dir=str(tmp_path)).validate()
     assert OffloadConfig().validate().chunk_bytes == 128 << 20
+
+
+def test_staging_buffers_are_sized_for_the_largest_chunk_not_the_chunk_limit(tmp_path):
+    # 128 MB chunks over a 20 KB tensor must not stage through 128 MB buffers (on a CPU run
+    # staging is training's own host memory).
+    small = torch.randn(5_000)
+    ref = small.clone()
+    with ChunkStore(OffloadConfig(offload_dir=str(tmp_path), capacity=1 << 20), rank=0) as store:
+        ids = store.register("small", small)
+        ssd_round_trip(store, ids, small)
+        assert torch.equal(small, ref)
+        assert store.stats()["staging"]["buffer_bytes"] == 20_480  # 20,000 B rounded to 4096
+        bigger = torch.randn(50_000)
+        big_ref = bigger.clone()
+        ids = store.register("bigger", bigger)  # grows the buffers; the small ones are dropped
+        ssd_round_trip(store, ids, bigger)
+        assert torch.equal(bigger, big_ref)
+        staging = store.stats()["staging"]
+        assert staging["buffer_bytes"] == 200_704 and staging["allocated"] <= 2

@@ -189,3 +189,30 @@ def test_docs_carry_the_cli_table(capsys):
     # Bad world size: the training parser's own message, exit code 2.
     assert cli.main(["--config", os.path.join(REPO, "launch/configs/gpt_70b.yaml"), "--nodes", "3"]) == 2
     assert "--tensor-model-parallel-size" in capsys.readouterr().err
+
+
+def test_offload_moves_the_streamed_moments_less_two_units_and_stable_masters_between_updates():
+    from megatron_grpo.offload import OffloadConfig
+
+    m = ModelSpec(**SMALL)
+    tiers_p = plan(m, TWO_RANKS, SMALL_GRPO)
+    units = tiers_p.units
+    tiers = (["core"] + ["dynamic"] * (len(units) - 3) + ["stable", "stable"])
+    base = plan(m, TWO_RANKS, SMALL_GRPO, tiers=tiers)
+    on = plan(m, TWO_RANKS, SMALL_GRPO, tiers=tiers, offload=OffloadConfig(target="ssd", offload_dir="/x"))
+    off = plan(m, TWO_RANKS, SMALL_GRPO, tiers=tiers,
+               offload=OffloadConfig(target="cpu", stream_moments=False))
+    shard = sum(stage_param_numels(m, TWO_RANKS, 0)) / 2
+    el = on.tier_elements
+    share = {t: el[t] / sum(el.values()) for t in el}
+    window = 2 * 8 * max(units) / 2
+    assert on.grpo_memory.offloaded == round(8 * shard * (share["dynamic"] + share["stable"]) - window)
+    assert on.grpo_memory.offloaded_between_updates == round(4 * shard * share["stable"])
+    assert on.grpo_memory.total == base.grpo_memory.total - on.grpo_memory.offloaded
+    # Without streaming only the stable tier moves, and only between its updates: the peak (an
+    # update step) is unchanged.
+    assert off.grpo_memory.offloaded == 0
+    assert off.grpo_memory.offloaded_between_updates == round(12 * shard * share["stable"])
+    assert off.grpo_memory.total == base.grpo_memory.total
+    assert on.baseline_memory.total == base.baseline_memory.total  # the baseline has no tier
+    assert "offloaded at the peak (--grpo-offload)" in format_plan(on)
