@@ -168,12 +168,12 @@ class Memory:
     delayed_accumulators: int = 0
     """GRPO --grpo-stable-mode delayed: fp32 gradient accumulator per stable-tier element."""
     offloaded: int = 0
-    """Bytes of this rank's state on host/SSD at the step's peak (--grpo-offload): the Adam
-    moments of the streamed dynamic and stable units, less the two units' worth streaming keeps
-    resident. Subtracted from model_state."""
+    """Bytes of this rank's state on host/SSD at the step's peak (--grpo-offload, streaming):
+    the fp32 masters and Adam moments of the dynamic and stable units, less the two units' worth
+    streaming keeps resident. Subtracted from model_state."""
     offloaded_between_updates: int = 0
-    """Also away on the steps between stable updates (the stable tier's masters); not
-    subtracted: the update steps hold them."""
+    """--no-grpo-offload-stream: the stable tier's state, away only between its updates; not
+    subtracted: the update steps hold it."""
 
     @property
     def optimizer(self) -> int:
@@ -361,17 +361,22 @@ def _memory(model: ModelSpec, cluster: ClusterSpec, buckets: List[int], unpadded
 
 def _place(g: Memory, units: List[int], elements: Dict[str, float], shard: float, dp: int,
            stream: bool) -> None:
-    """The memory tier's effect on one rank (megatron_grpo/offload/placement.py): streamed
-    moments are away at the peak but for two units' worth; stable masters (and, unstreamed,
-    stable moments) are away only between stable updates."""
+    """The memory tier's effect on one rank (megatron_grpo/offload/placement.py). Streaming:
+    the dynamic and stable units' masters and moments (12 bytes per shard element) are away at
+    the peak but for two units' worth. Without streaming only the stable tier's state moves,
+    and only between its updates (the peak, an update step, keeps it)."""
     total = sum(elements.values()) or 1.0
     share = {t: elements[t] / total for t in elements}
     if stream:
-        window = 2 * 8 * max(units) / dp  # two units' moments shards
-        g.offloaded = max(0, round(8 * shard * (share["dynamic"] + share["stable"]) - window))
-        g.offloaded_between_updates = round(4 * shard * share["stable"])
+        g.offloaded = max(0, round(12 * shard * (share["dynamic"] + share["stable"])
+                                   - stream_window_bytes(units, dp)))
     else:
         g.offloaded_between_updates = round(12 * shard * share["stable"])
+
+
+def stream_window_bytes(units: List[int], dp: int) -> float:
+    """State two units' shards keep resident while the optimizer step streams."""
+    return 2 * 12 * max(units) / dp
 
 
 def plan(model: ModelSpec, cluster: ClusterSpec, grpo: GRPOConfig,
@@ -422,7 +427,7 @@ def plan(model: ModelSpec, cluster: ClusterSpec, grpo: GRPOConfig,
         g = _memory(model, cluster, units, sum(numels), act, separate_fp32_master=True,
                     ef_elements=elements["dynamic"] if dp > 1 else 0.0, accum_elements=accum)
         if offload is not None and offload.target != "none":
-            _place(g, units, elements, sum(numels) / dp, dp, offload.stream_moments)
+            _place(g, units, elements, sum(numels) / dp, dp, offload.stream)
         return baseline, g
 
     if stage is not None:

@@ -98,7 +98,7 @@ def _planner_check(spec, records, summaries) -> list:
     the SSD run placed (its per-step offload_bytes_* records) and what its RSS saved."""
     import importlib.util
 
-    from megatron_grpo.planner import plan
+    from megatron_grpo.planner import plan, stream_window_bytes
 
     ssd = [r for r in records.get("grpo-ssd", []) if "grpo_tier_map" in r and r.get("grpo_tiered")]
     if not ssd:
@@ -114,18 +114,17 @@ def _planner_check(spec, records, summaries) -> list:
     last = ssd[-1]
     p = plan(model, cluster, grpo, bucket_size=bucket, tiers=last["grpo_tier_map"], offload=offload)
     m = p.grpo_memory
-    window = 2 * 8 * max(p.units) / cluster.dp
-    predicted_away = m.offloaded + window + m.offloaded_between_updates
-    # After a step that neither updates the stable tier nor prefetches for it, every streamed
-    # moment and the stable masters are away.
-    plain = [r for r in ssd if r["iteration"] % grpo.stable_interval not in (0, grpo.stable_interval - 1)]
+    predicted_away = m.offloaded + stream_window_bytes(p.units, cluster.dp)
+    # After any step, every streamed unit's state is away (stable units too: they stream at
+    # their updates and stay away between them).
+    plain = ssd
     measured_away = plain[-1]["offload_bytes_dynamic_ssd"] + plain[-1]["offload_bytes_stable_ssd"]
     drop = None
     if summaries.get("grpo", {}).get("steady_peak_rss_mb") and \
             summaries["grpo-ssd"].get("steady_peak_rss_mb"):
         drop = summaries["grpo"]["steady_peak_rss_mb"] - summaries["grpo-ssd"]["steady_peak_rss_mb"]
     mb = 2 ** 20
-    lines = [f"planner (launch/plan.py, this run's tier map): state away after a non-update step "
+    lines = [f"planner (launch/plan.py, this run's tier map): state away after a step "
              f"{predicted_away / mb:.1f} MB predicted, {measured_away / mb:.1f} MB measured "
              f"({100 * (measured_away / predicted_away - 1):+.1f} %)"]
     if drop is not None:

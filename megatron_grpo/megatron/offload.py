@@ -59,19 +59,21 @@ def build_placement(config: OffloadConfig, optimizer, ctrl, rank: int) -> Option
               f"(--grpo-offload-fallback cpu): the stable tier's state is offloaded to cpu.",
               flush=True)
         target = "cpu"
-    placement = TierPlacement(store, target, stream=config.stream_moments)
+    placement = TierPlacement(store, target, stream=config.stream)
     for opt in grpo_optimizers(optimizer):
         opt.placement = placement
-        if config.stream_moments:
+        if config.stream:
             _window_inner_step(opt, placement, ctrl)
     return placement
 
 
 def _window_inner_step(opt, placement: TierPlacement, ctrl) -> None:
     """Replace the inner torch optimizer's step with one that updates the resident units in one
-    call, then the streamed units one at a time through ``placement.stream``. Adam's update is
-    per element and per parameter (each parameter is stepped exactly once, with the step's own
-    lr), so the result is bit for bit the single call's; only what is resident meanwhile differs."""
+    call, then the streamed units one at a time through ``placement.stream``, each followed by
+    the copy of its new weights to the model (the last read of its master), so its state can
+    leave at once. Adam's update is per element and per parameter (each parameter is stepped
+    exactly once, with the step's own lr), so the result is bit for bit the single call's; only
+    what is resident meanwhile differs."""
     inner = opt.optimizer
     whole_step = inner.step
 
@@ -90,21 +92,26 @@ def _window_inner_step(opt, placement: TierPlacement, ctrl) -> None:
                 p.grad = grad
 
     def windowed_step(closure=None):
-        keys = placement.windows(ctrl.step.stable_update)
+        windows = placement.windows(ctrl.step.stable_update)
         unit_of = {id(shard): ctrl.unit_of_bucket[id(opt._bucket_of(mp))] for mp, shard in opt._pairs()}
         streamed, rest = {}, []
-        wanted = set(keys)
+        wanted = set(windows)
         for group in inner.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                key = (unit_of.get(id(p)), "moments")
-                if key in wanted:
-                    streamed.setdefault(key, []).append(p)
+                unit = unit_of.get(id(p))
+                if unit in wanted:
+                    streamed.setdefault(unit, []).append(p)
                 else:
                     rest.append(p)
         result = step_only(rest, closure) if rest else None
-        placement.stream([k for k in keys if k in streamed], lambda k: step_only(streamed[k]))
+
+        def update(unit):
+            step_only(streamed[unit])
+            opt._copy_main_params_to_model_params(units={unit})
+
+        placement.stream([w for w in windows if w in streamed], update)
         return result
 
     inner.step = windowed_step

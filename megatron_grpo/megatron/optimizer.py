@@ -34,6 +34,7 @@ class GRPODistributedOptimizer(DistributedOptimizer):
 
     def bind(self, controller) -> None:
         self.grpo = controller
+        self._grpo_copied_units = set()  # units whose weights the memory tier's stream copied
         # Separate master storage for fp32 params (bf16 params already have fp32 masters).
         for group in self.shard_fp32_groups:
             for shard in group:
@@ -96,16 +97,21 @@ class GRPODistributedOptimizer(DistributedOptimizer):
         return found
 
     # -- replaces DistributedOptimizer._copy_main_params_to_model_params ----------------------------
-    def _copy_main_params_to_model_params(self):
+    def _copy_main_params_to_model_params(self, units=None):
+        """``units``: copy only these units now (the memory tier's stream, right after their
+        update, before their masters leave); the call megatron makes after the step then skips
+        them."""
         ctrl = self.grpo
         if ctrl is None:
             return super()._copy_main_params_to_model_params()
         compress = ctrl.config.compress_param_gather and ctrl.dp_size > 1
         rank = self.data_parallel_group.rank()
+        copied = self._grpo_copied_units
         for model_param, shard in self._pairs():
             bucket = self._bucket_of(model_param)
             unit = ctrl.unit_of_bucket[id(bucket)]
-            if not ctrl.unit_active(unit):
+            if not ctrl.unit_active(unit) or (units is not None and unit not in units) \
+                    or (units is None and unit in copied):
                 continue
             world_range = self._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
             param_flat = bucket.param_data.view(-1)
@@ -121,6 +127,10 @@ class GRPODistributedOptimizer(DistributedOptimizer):
                 staged[start:start + world_range.size].copy_(shard.detach().view(-1))
             else:
                 param_flat[world_range.start:world_range.end].copy_(shard.detach().view(-1))
+        if units is not None:
+            copied.update(units)
+        else:
+            copied.clear()  # the step's last copy: the next step starts afresh
 
     @staticmethod
     def _bucket_index_in_group(ctrl, unit: int, bucket) -> int:

@@ -38,10 +38,10 @@ class OffloadConfig:
     chunk_mb: float = 128.0
     """Chunk size in MB (2**20 bytes). A registered tensor is cut into chunks of this many bytes;
     its last chunk may be shorter. Must come to a whole multiple of 4096 bytes (0.25 is fine)."""
-    stream_moments: bool = True
-    """With --grpo-offload cpu|ssd: the Adam moments of the dynamic tier (and of the stable tier
-    at its updates) also live away and pass through the optimizer step one tier unit at a time
-    (two resident at most), so the step's peak holds two units' moments, not all of them."""
+    stream: bool = True
+    """With --grpo-offload cpu|ssd: the dynamic tier's Adam moments and fp32 masters (and the
+    stable tier's at its updates) also live away and pass through the optimizer step one tier
+    unit at a time, two resident at most, so the step's peak holds two units' state, not all."""
     offload_dir: Optional[str] = None
     """Directory for the SSD tier: one preallocated file per rank, grpo-offload-rankNNNNN.bin.
     Use a local disk; None means no SSD tier (needed with --grpo-offload ssd)."""

@@ -6,13 +6,12 @@ its Adam moments and fp32 master shards can leave device memory: they are evicte
 memory or to the rank's SSD file after an update and prefetched one step before the next, on
 the chunk store's worker threads, so the copies overlap a whole step of compute.
 
-With ``stream=True`` the Adam moments of the dynamic tier (and of the stable tier at its
-updates) live away too and pass through the optimizer step one tier unit at a time: unit i+1's
-moments are read back while unit i is updated, and unit i's go out again right after
-(``stream()``, driven by the glue's windowed optimizer step), so at most two units' moments are
-resident at once. The first unit's are prefetched during forward and backward. Core units and
-dynamic masters stay resident (the masters are read again after the step, when the new weights
-are copied to the model).
+With ``stream=True`` the dynamic tier's state (and the stable tier's at its updates) lives
+away too and passes through the optimizer step one tier unit at a time: unit i+1's moments and
+master are read back while unit i is updated and its new weights copied to the model, and unit
+i's go out again right after (``stream()``, driven by the glue's windowed optimizer step), so at
+most two units' state is resident at once. The first unit's is prefetched during forward and
+backward. Core units stay resident.
 
 State is placed in groups keyed ``(unit index, kind)``: kind ``master`` or ``moments``.
 
@@ -40,6 +39,7 @@ from .store import ChunkStore
 
 TARGETS = ("none", "cpu", "ssd")
 STREAMED_TIERS = ("dynamic", "stable")
+STREAMED_KINDS = ("moments", "master")
 RESIDENT, EVICTING, AWAY, FETCHING = "resident", "evicting", "away", "fetching"
 
 
@@ -75,7 +75,7 @@ class TierPlacement:
     def __init__(self, store: ChunkStore, target: str, stream: bool = False):
         if target not in ("cpu", "ssd"):
             raise ValueError(f"offload: TierPlacement target must be cpu or ssd, got {target!r}")
-        self.store, self.target, self.stream_moments = store, target, stream
+        self.store, self.target, self.stream_on = store, target, stream
         self.units: Dict[Hashable, _Unit] = {}
         self._known: Dict[int, Tuple[Hashable, str]] = {}  # id(tensor) -> (key, name)
         self.stall_s = 0.0  # time the training loop waited for prefetches, this step
@@ -133,27 +133,36 @@ class TierPlacement:
                 self._evict(unit)
         windows = self.windows(update_now)
         if windows:
-            self._fetch_if_away(windows[0])
+            for key in self._group(windows[0]):
+                self._fetch_if_away(key)
 
     def tier(self, key: Hashable) -> str:
         index = key[0] if isinstance(key, tuple) else key
         return self.tiers[index] if index < len(self.tiers) else "core"
 
     def streamed(self, key: Hashable) -> bool:
-        return (self.stream_moments and isinstance(key, tuple) and key[1] == "moments"
+        return (self.stream_on and isinstance(key, tuple) and key[1] in STREAMED_KINDS
                 and self.tier(key) in STREAMED_TIERS)
 
     def needed(self, key: Hashable, update: bool) -> bool:
         """Resident outside the optimizer step's stream: everything but the stable tier
-        between its updates and streamed moments."""
+        between its updates and streamed state."""
         if self.streamed(key):
             return False
         return self.tier(key) != "stable" or update
 
-    def windows(self, update_now: bool) -> List[Hashable]:
-        """The streamed groups this step's optimizer updates, in the order it updates them."""
-        return [k for k in self.units if self.streamed(k)
-                and (self.tier(k) != "stable" or update_now)]
+    def windows(self, update_now: bool) -> List[int]:
+        """Units whose streamed state this step's optimizer updates, in the order it updates
+        them (unit order)."""
+        out: List[int] = []
+        for key in self.units:
+            if self.streamed(key) and (self.tier(key) != "stable" or update_now) \
+                    and key[0] not in out:
+                out.append(key[0])
+        return out
+
+    def _group(self, window: int) -> List[Hashable]:
+        return [k for k in self.units if isinstance(k, tuple) and k[0] == window and self.streamed(k)]
 
     def ensure(self, update_now: bool) -> None:
         """Before the optimizer reads state: wait for every group this step uses outside the
@@ -164,18 +173,40 @@ class TierPlacement:
                 self._timed_wait(unit)
         self.settle()
 
-    def stream(self, keys: Sequence[Hashable], run: Callable[[Hashable], None]) -> None:
-        """Run ``run(key)`` for each streamed group in turn with its state resident: the next
-        group is read back while this one runs, and this one goes out right after, so two
-        groups at most are resident."""
-        for i, key in enumerate(keys):
-            self._fetch_if_away(key)
-            self._timed_wait(self.units[key])
-            if i + 1 < len(keys):
-                self._fetch_if_away(keys[i + 1])
-            run(key)
-            self._evict(self.units[key])
+    def stream(self, windows: Sequence[int], run: Callable[[int], None]) -> None:
+        """Run ``run(unit)`` for each unit in turn with its streamed state resident: the next
+        unit's is read back while this one runs, and this one's goes out right after. Before
+        unit i+1 runs, unit i-1's write-out is waited for and its memory freed, so at most three
+        units' state is allocated at any time (running, arriving, leaving) however far the disk
+        lags; a wait for the disk is stall time."""
+        groups = {w: self._group(w) for w in windows}
+        for i, window in enumerate(windows):
+            for key in groups[window]:
+                self._fetch_if_away(key)
+            for key in groups[window]:
+                self._timed_wait(self.units[key])
+            if i >= 2:
+                self._free_now(groups[windows[i - 2]])
+            if i + 1 < len(windows):
+                for key in groups[windows[i + 1]]:
+                    self._fetch_if_away(key)
+            run(window)
+            for key in groups[window]:
+                self._evict(self.units[key])
         self.settle()
+
+    def _free_now(self, keys: Sequence[Hashable]) -> None:
+        """Wait for these groups' evictions and free their storage (counted as stall)."""
+        start = time.perf_counter()
+        for key in keys:
+            unit = self.units[key]
+            if unit.state == EVICTING:
+                for f in unit.futures:
+                    f.result()
+                for t in unit.tensors:
+                    t.tensor.untyped_storage().resize_(0)
+                unit.state, unit.futures = AWAY, []
+        self.stall_s += time.perf_counter() - start
 
     def _fetch_if_away(self, key: Hashable) -> None:
         unit = self.units[key]

@@ -46,28 +46,26 @@ def test_ssd_offload_is_bit_identical_to_no_offload(runs):
     assert runs["files_after"] == []  # the rank files are deleted at the end of the run
 
 
-def test_stable_state_is_on_ssd_between_updates_and_moments_stream(runs):
+def test_state_streams_through_the_optimizer_step_and_stays_away_between(runs):
     by_iter = {r["iteration"]: r for r in runs["ssd"]}
     # Warm-up: every unit core, nothing moved.
     assert all(by_iter[k]["offload_bytes_written"] == 0 for k in range(1, 9))
     assert "offload_bytes_stable_ssd" not in by_iter[8]
-    # Tiering at 9: the stable units' state leaves; it comes back at 11 for the update at 12.
+    # From the tiering at 9: after every step the dynamic and stable units' masters and
+    # moments are on SSD; the dynamic ones went through every step, the stable ones through
+    # the updates at 12, 16, 20 only.
     stable = by_iter[9]["offload_bytes_stable_ssd"]
-    assert stable > 0 and by_iter[9]["offload_bytes_stable_device"] == 0
-    assert by_iter[10]["offload_bytes_stable_ssd"] == stable
-    assert by_iter[11]["offload_bytes_read"] > 0
-    # After the update at 12 the masters are resident (read by the copy to the model), the
-    # moments streamed out again; at 13 everything stable is away again.
-    assert 0 < by_iter[12]["offload_bytes_stable_device"] < stable
-    assert by_iter[12]["offload_bytes_stable_device"] + by_iter[12]["offload_bytes_stable_ssd"] == stable
-    assert by_iter[13]["offload_bytes_stable_ssd"] == stable
+    assert stable > 0
     for k in range(9, ITERS + 1):
         r = by_iter[k]
-        assert r.get("offload_bytes_core_ssd", 0) == 0  # core never moves
-        # Dynamic: masters resident, moments streamed through every optimizer step.
-        assert r["offload_bytes_dynamic_device"] > 0 and r["offload_bytes_dynamic_ssd"] > 0
+        assert r.get("offload_bytes_core_ssd", 0) == 0 and r["offload_bytes_core_device"] > 0
+        assert r["offload_bytes_dynamic_device"] == 0 and r["offload_bytes_dynamic_ssd"] > 0
+        assert r["offload_bytes_stable_device"] == 0 and r["offload_bytes_stable_ssd"] > 0
         assert r["offload_bytes_read"] > 0 and r["offload_stall_s"] >= 0
-        assert 0.0 <= r["offload_hidden_share"] <= 1.0
+        assert 0.0 <= r.get("offload_hidden_share", 0.0) <= 1.0
+    # A stable update reads the stable state back too: more bytes than the steps around it.
+    assert by_iter[12]["offload_bytes_read"] > by_iter[10]["offload_bytes_read"]
+    assert by_iter[10]["offload_bytes_read"] == by_iter[11]["offload_bytes_read"]
 
 
 def test_resume_with_offload_is_exact(runs):
@@ -92,7 +90,7 @@ def test_missing_offload_dir_fails_before_step_1_or_falls_back_to_cpu(runs, tmp_
     metrics = tmp_path / "fallback.jsonl"
     proc = run_training(2, [*runs["base"], "--grpo-offload", "ssd", "--grpo-offload-dir",
                             str(missing), *OFFLOAD, "--grpo-offload-fallback", "cpu",
-                            "--no-grpo-offload-stream-moments", "--metrics-file", str(metrics)])
+                            "--no-grpo-offload-stream", "--metrics-file", str(metrics)])
     assert proc.stdout.count("Falling back to host memory") == 2  # one line per rank
     records = read_metrics(metrics)
     assert losses(records) == losses(runs["plain"])

@@ -153,10 +153,12 @@ def test_background_error_reaches_the_step(tmp_path):
         p.store.close()
 
 
-def test_stream_keeps_two_groups_resident_at_most_and_restores_every_byte(tmp_path):
+def test_stream_keeps_two_units_resident_at_most_and_restores_every_byte(tmp_path):
     g = torch.Generator().manual_seed(6)
-    st = {(u, "moments"): [("m", torch.randn(20_000, generator=g))] for u in range(4)}
-    st[(4, "moments")] = [("m", torch.randn(20_000, generator=g))]  # a core unit: never streamed
+    st = {}
+    for u in range(5):  # unit 4 is core: never streamed
+        st[(u, "moments")] = [("m", torch.randn(20_000, generator=g))]
+        st[(u, "master")] = [("w", torch.randn(10_000, generator=g))]
     ref = {k: v[0][1].clone() for k, v in st.items()}
     tiers = ["dynamic", "dynamic", "stable", "dynamic", "core"]
     p = TierPlacement(ChunkStore(OffloadConfig(chunk_mb=CHUNK / (1 << 20), offload_dir=str(tmp_path),
@@ -164,29 +166,31 @@ def test_stream_keeps_two_groups_resident_at_most_and_restores_every_byte(tmp_pa
     try:
         p.add(st)
         p.begin_step(tiers, update_now=False, update_next=False)
-        assert p.windows(update_now=False) == [(0, "moments"), (1, "moments"), (3, "moments")]
-        assert p.windows(update_now=True) == [(0, "moments"), (1, "moments"), (2, "moments"),
-                                              (3, "moments")]
+        assert p.windows(update_now=False) == [0, 1, 3]
+        assert p.windows(update_now=True) == [0, 1, 2, 3]
+        p.store.wait_all()  # in training, forward and backward run meanwhile
         p.ensure(update_now=False)
         seen = []
 
-        def run(key):
-            resident = [k for k, u in p.units.items() if u.state in ("resident", "fetching")
-                        and k[0] != 4]
-            seen.append((key, len(resident)))
-            assert torch.equal(st[key][0][1], ref[key])
-            st[key][0][1].add_(1.0)  # the optimizer's update
+        def run(unit):
+            allocated = {k[0] for k, u in p.units.items() if k[0] != 4
+                         and any(storage_bytes(t.tensor) for t in u.tensors)}
+            seen.append((unit, len(allocated)))
+            for kind in ("moments", "master"):
+                assert torch.equal(st[(unit, kind)][0][1], ref[(unit, kind)])
+                st[(unit, kind)][0][1].add_(1.0)  # the optimizer's update
 
         p.stream(p.windows(update_now=True), run)
-        assert [k for k, _ in seen] == [(0, "moments"), (1, "moments"), (2, "moments"), (3, "moments")]
-        assert all(n <= 2 for _, n in seen)  # this group and the next one
+        assert [u for u, _ in seen] == [0, 1, 2, 3]
+        assert all(n <= 3 for _, n in seen), seen  # this unit, the next one, the one leaving
         p.store.wait_all()
         p.settle()
-        assert all(storage_bytes(st[(u, "moments")][0][1]) == 0 for u in range(4))
+        assert all(storage_bytes(st[(u, k)][0][1]) == 0 for u in range(4) for k in ("moments", "master"))
         assert storage_bytes(st[(4, "moments")][0][1]) == 80_000
         p.resident_all()
-        for k in range(4):
-            assert torch.equal(st[(k, "moments")][0][1], ref[(k, "moments")] + 1.0)
+        for u in range(4):
+            for kind in ("moments", "master"):
+                assert torch.equal(st[(u, kind)][0][1], ref[(u, kind)] + 1.0)
     finally:
         p.close()
 
