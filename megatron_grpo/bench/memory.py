@@ -57,7 +57,7 @@ def run(args, command: str) -> SuiteResult:
     res = SuiteResult("memory", "Memory by location: baseline, GRPO and its memory tier", command,
                       ["contender", "steady peak RSS MB", "ratio", "whole-run peak RSS MB",
                        "steady peak device MB", "stable state away MB", "moved MB/step",
-                       "copy time hidden", "val loss"])
+                       "copy time hidden", "steady step time ratio", "val loss"])
     rows = {}
     for c in runnable:
         s, k = summaries[c.name], cmp[c.name]
@@ -69,6 +69,7 @@ def run(args, command: str) -> SuiteResult:
                          F.fmt(off.get("moved_mb_per_step"), ".1f"),
                          F.fmt(100 * off["hidden_share"] if off.get("hidden_share") is not None
                                else None, ".1f", " %"),
+                         F.fmt(k.get("steady_step_time_ratio"), ".2f"),
                          F.fmt(s["val_loss"], ".4f")])
         loc = {"host RSS (steady peak)": s.get("steady_peak_rss_mb") or s["peak_rss_mb"]}
         if s.get("steady_peak_device_mb") is not None:
