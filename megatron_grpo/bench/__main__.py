@@ -77,7 +77,7 @@ def train_only(name: str, args: BenchArgs) -> None:
     from megatron_grpo.bench.runner import Runner, config_value
 
     module = importlib.import_module(f"megatron_grpo.bench.{name}")
-    cands = module.contenders() if hasattr(module, "contenders") else getattr(module, "CONTENDERS", None)
+    cands = module.contenders(args.out) if hasattr(module, "contenders") else getattr(module, "CONTENDERS", None)
     if not cands:
         raise BenchError(f"--only: suite {name} has no contenders to select")
     known = [c.name for c in cands]

@@ -29,13 +29,20 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def contenders(offload_dir: str = "{offload_dir}"):
+def offload_dir(out: str) -> str:
+    """The SSD contender's --grpo-offload-dir: beside the suite's runs (made when needed)."""
+    path = os.path.join(os.path.abspath(out), "memory", "offload")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def contenders(out: str):
     cuda = _cuda()
     return [
         Contender("baseline", [], "megatron-core, all state on the training device"),
         Contender("grpo", ["--grpo"], "GRPO defaults (adds error-feedback residuals of the "
                   "dynamic tier, fp32 masters of its own and the delayed stable accumulators)"),
-        Contender("grpo-ssd", ["--grpo", "--grpo-offload", "ssd", "--grpo-offload-dir", offload_dir],
+        Contender("grpo-ssd", ["--grpo", "--grpo-offload", "ssd", "--grpo-offload-dir", offload_dir(out)],
                   "GRPO with the memory tier: the stable tier's Adam moments and masters on SSD "
                   "between its updates, prefetched a step ahead"),
         Contender("megatron-cpu-offload", ["--optimizer-cpu-offload"],
@@ -49,9 +56,7 @@ def contenders(offload_dir: str = "{offload_dir}"):
 
 
 def run(args, command: str) -> SuiteResult:
-    offload_dir = os.path.join(os.path.abspath(args.out), "memory", "offload")
-    os.makedirs(offload_dir, exist_ok=True)
-    cands = contenders(offload_dir)
+    cands = contenders(args.out)
     runnable = [c for c in cands if not c.skip]
     spec, records, summaries, cmp, _, load = run_all("memory", args, DEFAULT_CONFIG, runnable, ENV)
     res = SuiteResult("memory", "Memory by location: baseline, GRPO and its memory tier", command,

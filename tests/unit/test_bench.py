@@ -275,3 +275,33 @@ def test_contenders_subset_on_another_config_gets_its_own_section(tmp_path, monk
     saved = json.loads((tmp_path / "o" / "ablation" / "ablation-small.json").read_text())
     assert saved["suite"] == "ablation-small"
     assert cli.main([*argv[:-4], "--contenders", "nope"]) == 1
+
+
+def test_memory_suite_checks_the_planner_against_what_the_ssd_run_placed():
+    import importlib.util
+
+    from megatron_grpo.bench import memory
+    from megatron_grpo.bench.runner import CONFIGS, RunSpec
+    from megatron_grpo.planner import plan, stream_window_bytes
+
+    config = os.path.join(CONFIGS, "mem100m.yaml")
+    spec_ = importlib.util.spec_from_file_location("plan_cli", os.path.join(
+        os.path.dirname(CONFIGS), "plan.py"))
+    cli = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(cli)
+    model, cluster, grpo, bucket, off = cli.spec_from_flags(
+        ["--config", config, "--grpo", "--grpo-offload", "ssd", "--grpo-offload-dir", "x"], nodes=1,
+        gpus_per_node=2, gpu_memory_gb=1.0, link_gbps=1.0, vocab=258, attention="unfused")
+    n = len(plan(model, cluster, grpo, bucket_size=bucket).units)
+    tier_map = "c" + "d" * (n - 5) + "ssss"
+    p = plan(model, cluster, grpo, bucket_size=bucket, tiers=tier_map, offload=off)
+    away = p.grpo_memory.offloaded + stream_window_bytes(p.units, 2)
+    # A run that placed 10 % more than predicted, and whose peak fell by exactly the prediction.
+    rec = {"iteration": 9, "grpo_tier_map": tier_map, "grpo_tiered": True,
+           "offload_bytes_dynamic_ssd": round(0.8 * 1.1 * away), "offload_bytes_stable_ssd": round(0.2 * 1.1 * away)}
+    drop_mb = p.grpo_memory.offloaded / 2**20
+    lines = memory._planner_check(RunSpec(out="x", config=config, data_path="x"), {"grpo-ssd": [rec]},
+                                  {"grpo": {"steady_peak_rss_mb": 1000 + drop_mb},
+                                   "grpo-ssd": {"steady_peak_rss_mb": 1000.0}})
+    assert "(+10.0 %)" in lines[0] and lines[1].endswith("(+0.0 %)")
+    assert memory._planner_check(RunSpec(out="x", config=config, data_path="x"), {}, {}) == []
