@@ -197,3 +197,30 @@ def test_stream_keeps_two_units_resident_at_most_and_restores_every_byte(tmp_pat
 
 def test_planned_bytes_rounds_each_chunk_up():
     assert planned_bytes([1, CHUNK, CHUNK + 1], CHUNK) == 4096 + CHUNK + CHUNK + 4096
+
+
+def test_a_flipped_byte_in_the_file_stops_the_step_naming_file_chunk_and_rank(tmp_path):
+    from megatron_grpo.offload import OffloadChecksumError
+
+    st = state(7)
+    p = TierPlacement(ChunkStore(OffloadConfig(chunk_mb=CHUNK / (1 << 20), offload_dir=str(tmp_path),
+                                               capacity=8 << 20, io_mode="buffered"), rank=3), "ssd")
+    try:
+        p.add(st)
+        p.begin_step(["stable", "core", "core"], False, False)
+        p.store.wait_all()
+        p.settle()
+        info = p.store.chunk_info(p.units[0].tensors[0].ids[1])
+        with open(p.store.file.path, "r+b") as fh:  # the disk returns one bad byte
+            fh.seek(info["file_offset"] + 100)
+            byte = fh.read(1)
+            fh.seek(info["file_offset"] + 100)
+            fh.write(bytes([byte[0] ^ 0x01]))
+        p.begin_step(["stable", "core", "core"], update_now=True, update_next=False)
+        with pytest.raises(OffloadChecksumError) as err:
+            p.ensure(update_now=True)
+        text = str(err.value)
+        assert "rank 3" in text and p.store.file.path in text and "chunk 2 of 3" in text
+        assert "'unit0/master'" in text and "restart from the last checkpoint" in text
+    finally:
+        p.store.close()
