@@ -168,9 +168,10 @@ class Memory:
     delayed_accumulators: int = 0
     """GRPO --grpo-stable-mode delayed: fp32 gradient accumulator per stable-tier element."""
     offloaded: int = 0
-    """Bytes of this rank's state on host/SSD at the step's peak (--grpo-offload, streaming):
-    the fp32 masters and Adam moments of the dynamic and stable units, less the two units' worth
-    streaming keeps resident. Subtracted from model_state."""
+    """Bytes of this rank's state on host/SSD at the step's peak (--grpo-offload): with
+    streaming, the fp32 masters and Adam moments of the dynamic and stable units, less the two
+    units' worth streaming keeps resident; with --grpo-offload-residuals, the error-feedback
+    residuals but three buckets'. Subtracted from model_state."""
     offloaded_between_updates: int = 0
     """--no-grpo-offload-stream: the stable tier's state, away only between its updates; not
     subtracted: the update steps hold it."""
@@ -360,7 +361,7 @@ def _memory(model: ModelSpec, cluster: ClusterSpec, buckets: List[int], unpadded
 
 
 def _place(g: Memory, units: List[int], elements: Dict[str, float], shard: float, dp: int,
-           stream: bool) -> None:
+           stream: bool, residuals: bool = False) -> None:
     """The memory tier's effect on one rank (megatron_grpo/offload/placement.py). Streaming:
     the dynamic and stable units' masters and moments (12 bytes per shard element) are away at
     the peak but for two units' worth. Without streaming only the stable tier's state moves,
@@ -372,6 +373,14 @@ def _place(g: Memory, units: List[int], elements: Dict[str, float], shard: float
                                    - stream_window_bytes(units, dp)))
     else:
         g.offloaded_between_updates = round(12 * shard * share["stable"])
+    if residuals and g.error_feedback:
+        # Backward reads residuals lookahead (2) ahead: three buckets' worth resident.
+        g.offloaded += max(0, g.error_feedback - RESIDUALS_RESIDENT * 4 * max(units))
+
+
+RESIDUALS_RESIDENT = 3
+"""Error-feedback residuals resident at backward's peak with --grpo-offload-residuals: the
+one being read and the two read ahead (megatron_grpo/offload/residuals.py, lookahead 2)."""
 
 
 def stream_window_bytes(units: List[int], dp: int) -> float:
@@ -427,7 +436,8 @@ def plan(model: ModelSpec, cluster: ClusterSpec, grpo: GRPOConfig,
         g = _memory(model, cluster, units, sum(numels), act, separate_fp32_master=True,
                     ef_elements=elements["dynamic"] if dp > 1 else 0.0, accum_elements=accum)
         if offload is not None and offload.target != "none":
-            _place(g, units, elements, sum(numels) / dp, dp, offload.stream)
+            _place(g, units, elements, sum(numels) / dp, dp, offload.stream,
+                   offload.residuals and grpo.compressor != "powersgd")
         return baseline, g
 
     if stage is not None:

@@ -45,11 +45,22 @@ class _StagedResidual:
 
 
 class ErrorFeedback:
-    """Per-bucket residuals of error feedback (keys: (unit, bucket index in its group))."""
+    """Per-bucket residuals of error feedback (keys: (unit, bucket index in its group)).
+
+    Residuals live in a mapping: a dict by default, or the memory tier's OffloadedResiduals
+    (``use_store``), which keeps them in host memory or on SSD between their read in ``owed``
+    and their write in ``commit``; its ``release`` and ``buffer`` hooks are called when present."""
 
     def __init__(self) -> None:
-        self._residuals: Dict[Hashable, torch.Tensor] = {}
+        self._residuals = {}
         self._staged: Dict[Hashable, _Staged] = {}
+
+    def use_store(self, store) -> None:
+        """Keep residuals in ``store`` (a mapping with release/buffer, see above); the current
+        ones move into it."""
+        for key, value in list(self._residuals.items()):
+            store[key] = value
+        self._residuals = store
 
     # ------------------------------------------------------------------ one step
     def owed(self, key: Hashable, grad: torch.Tensor) -> torch.Tensor:
@@ -67,6 +78,9 @@ class ErrorFeedback:
                 residual = residual.to(grad.device)
                 self._residuals[key] = residual
             grad.add_(residual)
+            release = getattr(self._residuals, "release", None)
+            if release is not None:  # read once per step; commit writes a new one
+                release(key)
         return grad
 
     def stage(self, key: Hashable, grad: torch.Tensor, payload: torch.Tensor, rank: int,
@@ -94,16 +108,17 @@ class ErrorFeedback:
                 continue
             dp = s.payload.shape[0]
             shard = s.grad.numel() // dp
-            residual = self._residuals.get(key)
+            buffer = getattr(self._residuals, "buffer", None)
+            residual = buffer(key, s.grad) if buffer is not None else self._residuals.get(key)
             if residual is None or residual.device != s.grad.device:
                 residual = torch.empty_like(s.grad)
-                self._residuals[key] = residual
             residual.copy_(s.grad)
             rows = residual.view(dp, shard)
             rows[s.rank].copy_(s.c_own)
             rows.sub_(s.compressor.decompress_rows(s.payload, shard))
             if s.zero_index is not None and s.zero_index.numel():
                 residual.index_fill_(0, s.zero_index, 0.0)
+            self._residuals[key] = residual  # an offloading store sends it out now
         self._staged.clear()
 
     def discard(self) -> None:
@@ -121,8 +136,10 @@ class ErrorFeedback:
 
     def reset(self, key: Hashable) -> None:
         """Zero the residual of ``key``; keeps the buffer."""
-        if key in self._residuals:
-            self._residuals[key].zero_()
+        residual = self._residuals.get(key)
+        if residual is not None:
+            residual.zero_()
+            self._residuals[key] = residual  # changed: an offloading store writes it again
 
     def drop(self, key: Hashable) -> None:
         """Free the residual of ``key`` (bucket left the dynamic tier)."""
@@ -132,7 +149,10 @@ class ErrorFeedback:
         return list(self._residuals)
 
     def nbytes(self) -> int:
-        """Memory held by the residuals, in bytes."""
+        """Memory held by the residuals, in bytes (resident ones only, with an offloading store)."""
+        own = getattr(self._residuals, "nbytes", None)
+        if own is not None:
+            return own()
         return sum(r.numel() * r.element_size() for r in self._residuals.values())
 
     def state_dict(self) -> Dict[str, Dict[Hashable, torch.Tensor]]:
@@ -146,5 +166,7 @@ class ErrorFeedback:
         if not isinstance(state, dict) or "residuals" not in state:
             raise ValueError("ErrorFeedback.load_state_dict: state must be a dict from state_dict() "
                              "with key 'residuals'")
-        self._residuals = {k: v.detach().clone() for k, v in state["residuals"].items()}
+        self._residuals.clear()
+        for k, v in state["residuals"].items():
+            self._residuals[k] = v.detach().clone()
         self._staged.clear()

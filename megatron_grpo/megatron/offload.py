@@ -16,6 +16,7 @@ import torch
 from megatron_grpo.megatron.optimizer import grpo_optimizers
 from megatron_grpo.offload import ChunkStore, OffloadConfig
 from megatron_grpo.offload.placement import TierPlacement, planned_bytes
+from megatron_grpo.offload.residuals import OffloadedResiduals
 
 # Adam keeps two per-element moments; the SSD file is sized for them and the master up front,
 # before the moments exist (torch creates them at a parameter's first update).
@@ -46,6 +47,9 @@ def build_placement(config: OffloadConfig, optimizer, ctrl, rank: int) -> Option
     masters = [shard for (_, kind), pairs in unit_state(optimizer, ctrl).items() if kind == "master"
                for _, shard in pairs]
     sizes = [s.numel() * 4 for s in masters for _ in range(PER_ELEMENT_STATES)]
+    residuals = config.residuals and ctrl.config.compressor != "powersgd"
+    if residuals:  # room for a residual of every bucket (any unit may become dynamic)
+        sizes += [b.grad_data.numel() * 4 for u in ctrl.units for b in u.group.buckets]
     store_cfg = dataclasses.replace(config)
     if config.target == "ssd":
         if not store_cfg.capacity:
@@ -60,6 +64,10 @@ def build_placement(config: OffloadConfig, optimizer, ctrl, rank: int) -> Option
               flush=True)
         target = "cpu"
     placement = TierPlacement(store, target, stream=config.stream)
+    if residuals:
+        # PowerSGD's residuals are new tensors every step; they stay in memory.
+        placement.residuals = OffloadedResiduals(store, target)
+        ctrl.ef.use_store(placement.residuals)
     for opt in grpo_optimizers(optimizer):
         opt.placement = placement
         if config.stream:

@@ -42,6 +42,10 @@ class OffloadConfig:
     """With --grpo-offload cpu|ssd: the dynamic tier's Adam moments and fp32 masters (and the
     stable tier's at its updates) also live away and pass through the optimizer step one tier
     unit at a time, two resident at most, so the step's peak holds two units' state, not all."""
+    residuals: bool = True
+    """With --grpo-offload cpu|ssd: the dynamic tier's error-feedback residuals (one fp32 copy
+    of each dynamic bucket on every rank) also live away between their read in backward and
+    their write after the optimizer step; a few are resident at a time."""
     offload_dir: Optional[str] = None
     """Directory for the SSD tier: one preallocated file per rank, grpo-offload-rankNNNNN.bin.
     Use a local disk; None means no SSD tier (needed with --grpo-offload ssd)."""

@@ -79,6 +79,7 @@ class TierPlacement:
         self.units: Dict[Hashable, _Unit] = {}
         self._known: Dict[int, Tuple[Hashable, str]] = {}  # id(tensor) -> (key, name)
         self.stall_s = 0.0  # time the training loop waited for prefetches, this step
+        self.residuals = None  # OffloadedResiduals of the error feedback, when offloaded
         self._last_stats = store.stats()
         self.tiers: Sequence[str] = ()
 
@@ -125,6 +126,8 @@ class TierPlacement:
         self.tiers = list(tiers)
         self.stall_s = 0.0
         self.settle()
+        if self.residuals is not None:
+            self.residuals.begin_step()
         for key, unit in self.units.items():
             if self.needed(key, update_now or update_next):
                 if unit.state in (EVICTING, AWAY):
@@ -283,24 +286,30 @@ class TierPlacement:
         written, read = (sum(delta[d][0] for d in dirs) for dirs in (out_dirs, in_dirs))
         out_s, in_s = (sum(delta[d][1] for d in dirs) for dirs in (out_dirs, in_dirs))
         busy = out_s + in_s
+        stall = self.stall_s + (self.residuals.stall_s if self.residuals is not None else 0.0)
         rec: Dict[str, float] = {
             "offload_bytes_written": written, "offload_bytes_read": read,
-            "offload_io_busy_s": busy, "offload_stall_s": self.stall_s,
+            "offload_io_busy_s": busy, "offload_stall_s": stall,
         }
+        if self.residuals is not None:
+            resident = self.residuals.nbytes()
+            rec["offload_bytes_residuals_device"] = resident
+            rec[f"offload_bytes_residuals_{self.target}"] = self.residuals.placed_bytes() - resident
         if out_s > 0:
             rec["offload_write_gbps"] = written / out_s / 1e9
         if in_s > 0:
             rec["offload_read_gbps"] = read / in_s / 1e9
         if busy > 0:
             # Copy time the loop did not wait for; the copies run beside the step's compute.
-            rec["offload_hidden_share"] = max(0.0, 1.0 - self.stall_s / busy)
+            rec["offload_hidden_share"] = max(0.0, 1.0 - stall / busy)
         for tier, row in self.resident_bytes().items():
             for where, nbytes in row.items():
                 rec[f"offload_bytes_{tier}_{where}"] = nbytes
         return rec
 
     def close(self) -> None:
-        """Bring everything back, then close the store (its file is deleted)."""
+        """Bring everything back, then close the store (its file is deleted). Residuals are
+        not brought back: the run is over and nothing reads them."""
         try:
             self.resident_all()
         finally:

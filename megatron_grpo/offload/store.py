@@ -57,6 +57,7 @@ class _Chunk:
     offset: Optional[int] = None  # file offset while on ssd
     crc: Optional[int] = None
     tail: Optional[cf.Future] = None  # the last move asked for; the next one chains behind it
+    shadow: bool = False  # on device, and its file extent still holds the same bytes
 
     @property
     def nbytes(self) -> int:
@@ -156,9 +157,39 @@ class ChunkStore:
             to = "cpu"  # fallback='cpu' after the file could not be made
         return self._schedule(self._chunk(chunk_id), to)
 
-    def prefetch(self, chunk_id: int) -> cf.Future:
-        """Bring the chunk back into its bytes of the registered tensor."""
-        return self._schedule(self._chunk(chunk_id), "device")
+    def prefetch(self, chunk_id: int, keep: bool = False) -> cf.Future:
+        """Bring the chunk back into its bytes of the registered tensor. ``keep``: a chunk read
+        from the file keeps its extent as a shadow copy, so ``drop_device`` can send it back
+        without writing (for state that is read, then maybe needed again unchanged)."""
+        return self._schedule(self._chunk(chunk_id), "device+keep" if keep else "device")
+
+    def drop_device(self, chunk_id: int) -> bool:
+        """A shadowed chunk (prefetched with keep, unchanged since): its valid copy is the file
+        extent or host copy again, at once and without I/O, and its device bytes are the
+        caller's to free. False
+        (nothing changes) when the chunk has no shadow or a move is pending."""
+        chunk = self._chunk(chunk_id)
+        with self._lock:
+            if not chunk.shadow or chunk.location != "device" or \
+                    (chunk.tail is not None and not chunk.tail.done()):
+                return False
+            chunk.location = "cpu" if chunk.host is not None else "ssd"
+            chunk.shadow = False
+            return True
+
+    def overwrite(self, chunk_id: int) -> None:
+        """The caller is about to write the chunk's device bytes anew: its other copies are
+        discarded (extent given back), its valid copy is the device, and its storage must be
+        allocated by the caller. Waits for a pending move of the chunk first."""
+        chunk = self._chunk(chunk_id)
+        tail = chunk.tail
+        if tail is not None:
+            cf.wait([tail])
+        with self._lock:
+            if chunk.offset is not None and (chunk.location == "ssd" or chunk.shadow):
+                self.file.extents.release(chunk.offset, chunk.nbytes)
+            chunk.location, chunk.host, chunk.offset, chunk.crc, chunk.shadow = \
+                "device", None, None, None, False
 
     def wait_all(self, timeout: Optional[float] = None) -> None:
         """Wait for every move asked for so far, then raise the first unreported error."""
@@ -229,7 +260,7 @@ class ChunkStore:
         # Runs on a worker; moves of one chunk never overlap (chained), so the chunk's fields
         # are read without the lock and committed under it, only after the data is in place.
         source = chunk.location
-        if source == target:
+        if source == target or (source == "device" and target == "device+keep"):
             return
         if target == "cpu":
             host = host_tensor(chunk.nbytes, self.pinned)
@@ -245,9 +276,10 @@ class ChunkStore:
             if source == "cpu":
                 with self._timed("cpu_to_device", chunk.nbytes):
                     chunk.view.copy_(chunk.host)
+                self._commit(chunk, "device", keep=target == "device+keep")
             else:
                 self._read(chunk, chunk.view)
-            self._commit(chunk, "device")
+                self._commit(chunk, "device", keep=target == "device+keep")
 
     def _write(self, chunk: _Chunk, source: torch.Tensor) -> None:
         nbytes, padded = chunk.nbytes, align_up(chunk.nbytes)
@@ -290,11 +322,16 @@ class ChunkStore:
             into.copy_(buf[:nbytes])
 
     def _commit(self, chunk: _Chunk, location: str, host: Optional[torch.Tensor] = None,
-                offset: Optional[int] = None, crc: Optional[int] = None) -> None:
+                offset: Optional[int] = None, crc: Optional[int] = None, keep: bool = False) -> None:
         with self._lock:
-            if chunk.location == "ssd" and location != "ssd":
-                self.file.extents.release(chunk.offset, chunk.nbytes)
+            if keep:  # the file extent or host copy keeps the same bytes: a shadow copy
+                chunk.location, chunk.shadow = "device", True
+                return
+            held = chunk.offset if (chunk.location == "ssd" or chunk.shadow) else None
+            if held is not None and held != offset:
+                self.file.extents.release(held, chunk.nbytes)
             chunk.location, chunk.host, chunk.offset, chunk.crc = location, host, offset, crc
+            chunk.shadow = False
 
     @contextmanager
     def _timed(self, direction: str, nbytes: int):

@@ -63,6 +63,8 @@ def test_state_streams_through_the_optimizer_step_and_stays_away_between(runs):
         assert r["offload_bytes_stable_device"] == 0 and r["offload_bytes_stable_ssd"] > 0
         assert r["offload_bytes_read"] > 0 and r["offload_stall_s"] >= 0
         assert 0.0 <= r.get("offload_hidden_share", 0.0) <= 1.0
+    # The dynamic tier's error-feedback residuals: read in backward, written after the step.
+    assert all(by_iter[k]["offload_bytes_residuals_ssd"] > 0 for k in range(10, ITERS + 1))
     # A stable update reads the stable state back too: more bytes than the steps around it.
     assert by_iter[12]["offload_bytes_read"] > by_iter[10]["offload_bytes_read"]
     assert by_iter[10]["offload_bytes_read"] == by_iter[11]["offload_bytes_read"]

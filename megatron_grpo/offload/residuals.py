@@ -1,0 +1,206 @@
+"""OffloadedResiduals: the dynamic tier's error-feedback residuals on host memory or SSD between
+their two uses in a step (issue 10, item 2).
+
+A residual is read once per step, when its bucket's gradients are ready in backward
+(``ErrorFeedback.owed`` adds it into the gradient buffer), and written once, after the
+optimizer step (``commit``). In between and until the next step's backward it is not needed, so
+it lives in the chunk store's file and only a few are resident at a time:
+
+* read: ``get`` brings a residual back (waiting if it has not arrived: stall time) and asks for
+  the next ``lookahead`` ones in the order the previous step used them, so the copies overlap
+  backward. It is read with ``keep``: the file keeps the same bytes, and ``release`` (right
+  after the residual is added into the gradient) frees the memory at once with no write. If
+  the step is then skipped, the committed residual is still in the file: nothing is lost.
+* write: ``buffer`` hands ``commit`` the key's tensor to write the new residual into, and
+  ``__setitem__`` sends it out; at most ``lookahead + 1`` writes are in flight, so memory stays
+  bounded when the disk is slower than the step.
+
+It is a mapping for ``ErrorFeedback`` (get / [] / pop / keys / items / clear, plus release,
+buffer and nbytes): the comm layer does not know where residuals live.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict, Hashable, Iterator, List, Optional, Tuple
+
+import torch
+
+from .store import ChunkStore
+
+RESIDENT, EVICTING, AWAY, FETCHING = "resident", "evicting", "away", "fetching"
+
+
+class OffloadedResiduals:
+    """Residuals keyed like ErrorFeedback's ((unit, bucket index)), kept in ``store``."""
+
+    def __init__(self, store: ChunkStore, target: str = "ssd", lookahead: int = 2):
+        if target not in ("cpu", "ssd"):
+            raise ValueError(f"offload: OffloadedResiduals target must be cpu or ssd, got {target!r}")
+        self.store, self.target, self.lookahead = store, target, lookahead
+        self._tensors: Dict[Hashable, torch.Tensor] = {}
+        self._ids: Dict[Hashable, List[int]] = {}
+        self._state: Dict[Hashable, str] = {}
+        self._futures: Dict[Hashable, list] = {}
+        self._order: List[Hashable] = []  # the order of reads last step
+        self._seen: List[Hashable] = []
+        self._writes: List[Hashable] = []  # keys whose write-out is in flight, oldest first
+        self._names = 0
+        self.stall_s = 0.0
+
+    # ---- the step -----------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Free finished writes; start reading the residuals backward will want first."""
+        self.stall_s = 0.0
+        self.settle()
+        if self._seen:
+            self._order, self._seen = self._seen, []
+        for key in self._order[:self.lookahead]:
+            self._fetch(key)
+
+    def get(self, key: Hashable, default=None) -> Optional[torch.Tensor]:
+        tensor = self._tensors.get(key)
+        if tensor is None:
+            return default
+        self._seen.append(key)
+        self._fetch(key)
+        self._wait(key)
+        if key in self._order:
+            i = self._order.index(key)
+            for nxt in self._order[i + 1:i + 1 + self.lookahead]:
+                self._fetch(nxt)
+        return tensor
+
+    def __getitem__(self, key: Hashable) -> torch.Tensor:
+        if key not in self._tensors:
+            raise KeyError(key)
+        return self.get(key)
+
+    def release(self, key: Hashable) -> None:
+        """The residual was read and is not changed before ``commit`` writes a new one: drop
+        its memory now; the file still holds it."""
+        if self._state.get(key) != RESIDENT:
+            return
+        ids = self._ids[key]
+        if all(self.store.drop_device(i) for i in ids):
+            self._tensors[key].untyped_storage().resize_(0)
+            self._state[key] = AWAY
+        # else: some chunk had no file copy (a residual set but never read back); it stays
+        # resident and is sent out with the next write.
+
+    def buffer(self, key: Hashable, like: torch.Tensor) -> torch.Tensor:
+        """A tensor for the new residual of ``key`` (``commit`` writes all of it)."""
+        tensor = self._tensors.get(key)
+        if tensor is None or tensor.numel() != like.numel() or tensor.dtype != like.dtype \
+                or tensor.device != like.device:
+            return torch.empty_like(like)
+        for i in self._ids[key]:
+            self.store.overwrite(i)  # waits for its pending move; drops the old copies
+        storage = tensor.untyped_storage()
+        nbytes = tensor.numel() * tensor.element_size()
+        if storage.nbytes() != nbytes:
+            storage.resize_(nbytes)
+        self._state[key], self._futures[key] = RESIDENT, []
+        return tensor
+
+    def __setitem__(self, key: Hashable, tensor: torch.Tensor) -> None:
+        """The committed residual of ``key``: sent out now (in the background)."""
+        if self._tensors.get(key) is not tensor:
+            self.pop(key, None)
+            tensor = tensor.contiguous()
+            self._names += 1
+            self._ids[key] = self.store.register(f"ef{self._names}/{key}", tensor)
+            self._tensors[key] = tensor
+        self._state[key] = RESIDENT
+        self._evict(key)
+        self._writes.append(key)
+        while len(self._writes) > self.lookahead + 1:  # bound the memory held by writes
+            self._free_when_written(self._writes.pop(0))
+
+    # ---- mapping ------------------------------------------------------------------------
+    def pop(self, key: Hashable, default=None):
+        tensor = self._tensors.get(key)
+        if tensor is None:
+            return default
+        value = self.get(key)
+        out = value.clone()
+        del self._tensors[key], self._ids[key], self._state[key]
+        self._futures.pop(key, None)
+        if key in self._writes:
+            self._writes.remove(key)
+        value.untyped_storage().resize_(0)  # the store keeps only a zero-byte registration
+        return out
+
+    def keys(self) -> List[Hashable]:
+        return list(self._tensors)
+
+    def __iter__(self) -> Iterator[Hashable]:
+        return iter(list(self._tensors))
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._tensors
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def items(self) -> Iterator[Tuple[Hashable, torch.Tensor]]:
+        for key in list(self._tensors):
+            yield key, self.get(key)
+
+    def values(self) -> Iterator[torch.Tensor]:
+        for _, value in self.items():
+            yield value
+
+    def clear(self) -> None:
+        for key in list(self._tensors):
+            self.pop(key)
+
+    def nbytes(self) -> int:
+        """Bytes of residuals resident now (the rest is in the store)."""
+        return sum(t.untyped_storage().nbytes() for t in self._tensors.values())
+
+    def placed_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._tensors.values())
+
+    # ---- moves --------------------------------------------------------------------------
+    def _fetch(self, key: Hashable) -> None:
+        state = self._state.get(key)
+        if state not in (AWAY, EVICTING):
+            return
+        tensor = self._tensors[key]
+        if state == AWAY:
+            tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+        self._futures[key] = [self.store.prefetch(i, keep=True) for i in self._ids[key]]
+        self._state[key] = FETCHING
+
+    def _wait(self, key: Hashable) -> None:
+        if self._state.get(key) == FETCHING:
+            start = time.perf_counter()
+            for f in self._futures.get(key, []):
+                f.result()
+            self.stall_s += time.perf_counter() - start
+        self._futures[key] = []
+        self._state[key] = RESIDENT
+
+    def _evict(self, key: Hashable) -> None:
+        self._futures[key] = [self.store.evict(i, to=self.target) for i in self._ids[key]]
+        self._state[key] = EVICTING
+
+    def _free_when_written(self, key: Hashable) -> None:
+        if self._state.get(key) != EVICTING:
+            return
+        start = time.perf_counter()
+        for f in self._futures.get(key, []):
+            f.result()
+        self.stall_s += time.perf_counter() - start
+        self._tensors[key].untyped_storage().resize_(0)
+        self._state[key], self._futures[key] = AWAY, []
+
+    def settle(self) -> None:
+        self.store.check()
+        for key in list(self._writes):
+            if self._state.get(key) == EVICTING and all(f.done() for f in self._futures[key]):
+                self._free_when_written(key)
+                self._writes.remove(key)
+            elif self._state.get(key) != EVICTING:
+                self._writes.remove(key)
