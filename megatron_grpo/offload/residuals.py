@@ -124,6 +124,8 @@ class OffloadedResiduals:
             return default
         value = self.get(key)
         out = value.clone()
+        for i in self._ids[key]:
+            self.store.overwrite(i)  # gives its file extent back: the key may come back later
         del self._tensors[key], self._ids[key], self._state[key]
         self._futures.pop(key, None)
         if key in self._writes:

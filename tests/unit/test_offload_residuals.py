@@ -75,5 +75,7 @@ def test_reset_and_drop_go_through_the_store(tmp_path):
         ef.reset("a")
         store.wait_all()
         assert float(ef.residual("a").abs().sum()) == 0.0
+        used = store.stats()["ssd_used_bytes"]
         ef.drop("b")
         assert ef.keys() == ["a"] and ef.residual("b") is None
+        assert store.stats()["ssd_used_bytes"] == used - 16384  # b's extent is given back
