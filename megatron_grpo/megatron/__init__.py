@@ -44,7 +44,8 @@ def grpo_hooks(cfg):
         if placement is not None:
             # Optimizer state appears at a parameter's first update: registered as it comes.
             placement.add(unit_state(state["built"].optimizer, ctrl))
-            placement.begin_step(ctrl.tiers, ctrl.step.stable_update, ctrl.stable_update_next())
+            placement.begin_step(ctrl.tiers, ctrl.step.stable_update, ctrl.stable_update_next(),
+                                 stream_all=not ctrl.tiered)
 
     def step_metrics(iteration, wire, step_time):
         rec = state["ctrl"].metrics(wire["by_tag"], step_time)

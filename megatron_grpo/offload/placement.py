@@ -80,6 +80,7 @@ class TierPlacement:
         self._known: Dict[int, Tuple[Hashable, str]] = {}  # id(tensor) -> (key, name)
         self.stall_s = 0.0  # time the training loop waited for prefetches, this step
         self.residuals = None  # OffloadedResiduals of the error feedback, when offloaded
+        self.stream_everything = False  # this step streams core units too (GRPO's warm-up)
         self._last_stats = store.stats()
         self.tiers: Sequence[str] = ()
 
@@ -118,12 +119,16 @@ class TierPlacement:
                 self._known[id(tensor)] = (unit, name)
 
     # ---- the schedule ------------------------------------------------------------------
-    def begin_step(self, tiers: Sequence[str], update_now: bool, update_next: bool) -> None:
+    def begin_step(self, tiers: Sequence[str], update_now: bool, update_next: bool,
+                   stream_all: bool = False) -> None:
         """Before a step: free what finished evicting, then evict the stable units this step
         and the next do not update, and prefetch those the next step updates (one step ahead,
         so the copy overlaps this step's compute); with streaming, start reading back the
-        first unit the optimizer step will update."""
+        first unit the optimizer step will update. ``stream_all`` (GRPO's exact warm-up, when
+        every unit is core): stream every unit, so the warm-up's peak is no higher than the
+        tiered steps'."""
         self.tiers = list(tiers)
+        self.stream_everything = stream_all and self.stream_on
         self.stall_s = 0.0
         self.settle()
         if self.residuals is not None:
@@ -145,7 +150,7 @@ class TierPlacement:
 
     def streamed(self, key: Hashable) -> bool:
         return (self.stream_on and isinstance(key, tuple) and key[1] in STREAMED_KINDS
-                and self.tier(key) in STREAMED_TIERS)
+                and (self.stream_everything or self.tier(key) in STREAMED_TIERS))
 
     def needed(self, key: Hashable, update: bool) -> bool:
         """Resident outside the optimizer step's stream: everything but the stable tier
