@@ -120,6 +120,9 @@ def _window_inner_step(opt, placement: TierPlacement, ctrl) -> None:
             opt._copy_main_params_to_model_params(units={unit})
 
         placement.stream([w for w in windows if w in streamed], update)
+        # A streamed unit with no gradient on this rank was not stepped, so its weights did
+        # not change, and its master is away: megatron's copy after the step must skip it.
+        opt._grpo_copied_units.update(w for w in windows if w not in streamed)
         return result
 
     inner.step = windowed_step
