@@ -317,7 +317,8 @@ def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption) -> RunSu
         summary.tokens_per_s = gbs * seq / summary.median_step_time_s
         if logged > 1:
             summary.wire_bytes_per_step = wire_after_first / (logged - 1)
-        summary.peak_rss_bytes = rss_high or peak_rss_bytes()
+        tail = step_peak_rss_bytes()  # what came after the last record (final evaluation, save)
+        summary.peak_rss_bytes = max(rss_high, tail or 0) or peak_rss_bytes()
     return summary
 
 
