@@ -1,7 +1,7 @@
 """Every config field given an invalid value: refused before any process group exists, with a
 message naming the flag (or the YAML key) and the value.
 
-Every field of every config dataclass (PretrainConfig's sections and GRPOConfig) is tried twice,
+Every field of every config dataclass (PretrainConfig's sections, GRPOConfig, OffloadConfig) is tried twice,
 in-process through parse_args (the launcher's path; one subprocess per field would take minutes):
 a value of the wrong type from a YAML file, and an out-of-range value as a flag. A field without
 a case fails the test, so a new field needs one. Fields parse_args once accepted out of range
@@ -66,6 +66,15 @@ RANGE = {
     "grpo.gvr_window": ["--grpo-gvr-window", "0"], "grpo.remediation_promote": ["--grpo-remediation-promote", "0"],
     "grpo.sparse_gradient_tier": ["--grpo-sparse-gradient-tier", "all"],
     "grpo.max_dynamic_share": ["--grpo-max-dynamic-share", "1.5"],
+    "offload.target": ["--grpo", "--grpo-offload", "disk"], "offload.stream": None,
+    "offload.residuals": None,
+    "offload.offload_dir": ["--grpo", "--grpo-offload", "ssd"],  # ssd without a directory
+    "offload.chunk_mb": ["--grpo-offload-chunk-mb", "0"],
+    "offload.fallback": ["--grpo-offload-fallback", "warn"],
+    "offload.io_workers": ["--grpo-offload-io-workers", "0"],
+    "offload.staging_buffers": ["--grpo-offload-staging-buffers", "0"],
+    "offload.capacity": ["--grpo-offload-capacity", "-1"],
+    "offload.io_mode": ["--grpo-offload-io-mode", "async"],
 }
 # Once accepted by parse_args out of range: megatron or torch failed at build time with a raw
 # traceback or an unnamed error, or the run trained on (--lr-decay-iters 0, --ddp-bucket-size 0).
