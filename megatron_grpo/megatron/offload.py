@@ -60,7 +60,7 @@ def build_placement(config: OffloadConfig, optimizer, ctrl, rank: int) -> Option
     target = config.target
     if store.ssd_fallback:  # --grpo-offload-fallback cpu: said on every rank it happens to
         print(f"[grpo-offload] rank {rank}: {store.ssd_fallback} Falling back to host memory "
-              f"(--grpo-offload-fallback cpu): the stable tier's state is offloaded to cpu.",
+              f"(--grpo-offload-fallback cpu): offloaded state goes to host memory instead.",
               flush=True)
         target = "cpu"
     placement = TierPlacement(store, target, stream=config.stream)
