@@ -1,7 +1,8 @@
 """Memory tier: chunks of tensors kept on device, in host memory or in a per-rank SSD file.
 
-Only the chunk store exists so far (issue 10, item 1); it is not wired into training yet.
-See docs/offload.md.
+The chunk store (store.py, slot_file.py), the per-tier placement of optimizer state
+(placement.py) and the error-feedback residuals (residuals.py); wired into training by
+megatron_grpo/megatron/offload.py. See docs/offload.md.
 """
 
 from .config import OffloadConfig, OffloadConfigError

@@ -26,22 +26,25 @@ def _is_int(value) -> bool:
 
 @dataclass
 class OffloadConfig:
-    """Memory tier: stable-tier optimizer state offloaded to host memory or SSD in chunks."""
+    """Memory tier: GRPO's optimizer state and residuals kept in host memory or on SSD in
+    chunks, moved by background threads (docs/offload.md)."""
 
     FLAG_PREFIX = "grpo-offload-"
     FLAG_NAMES = {"target": "--grpo-offload", "offload_dir": "--grpo-offload-dir"}
 
     target: str = "none"
-    """What leaves device memory between uses (with --grpo): none; cpu = the stable tier's Adam
-    moments and fp32 master shards go to host memory after each stable update and come back one
-    step before the next; ssd = the same, to one file per rank in --grpo-offload-dir."""
+    """Where GRPO's offloadable state lives between uses (with --grpo): none (device memory);
+    cpu (host memory); ssd (one file per rank in --grpo-offload-dir). What moves: the optimizer
+    state of the dynamic and stable tiers (see --grpo-offload-stream) and the error-feedback
+    residuals (--grpo-offload-residuals); core units stay resident after warm-up."""
     chunk_mb: float = 128.0
     """Chunk size in MB (2**20 bytes). A registered tensor is cut into chunks of this many bytes;
     its last chunk may be shorter. Must come to a whole multiple of 4096 bytes (0.25 is fine)."""
     stream: bool = True
-    """With --grpo-offload cpu|ssd: the dynamic tier's Adam moments and fp32 masters (and the
-    stable tier's at its updates) also live away and pass through the optimizer step one tier
-    unit at a time, two resident at most, so the step's peak holds two units' state, not all."""
+    """With --grpo-offload cpu|ssd: the dynamic tier's Adam moments and fp32 masters (the stable
+    tier's at its updates; every unit's during the exact warm-up) pass through the optimizer step
+    one tier unit at a time, three allocated at most. Off: only the stable tier's state moves,
+    between its updates, prefetched one step ahead (the peak, an update step, holds all)."""
     residuals: bool = True
     """With --grpo-offload cpu|ssd: the dynamic tier's error-feedback residuals (one fp32 copy
     of each dynamic bucket on every rank) also live away between their read in backward and

@@ -12,8 +12,8 @@ parallel. The caller never blocks: workers wait for a staging buffer, and there 
 ``staging_buffers`` of them, so host memory used for staging is bounded whatever is in flight.
 
 A move that fails leaves the chunk where it was, valid; its error is set on the Future and kept
-for ``check()``/``wait_all()``, so nothing fails silently. Not wired into training yet: placement
-by tier, budgets and metrics are the next items of issue 10 (docs/offload.md).
+for ``check()``/``wait_all()``, so nothing fails silently. Training uses it through
+offload/placement.py and offload/residuals.py (docs/offload.md).
 """
 
 from __future__ import annotations
@@ -166,8 +166,8 @@ class ChunkStore:
     def drop_device(self, chunk_id: int) -> bool:
         """A shadowed chunk (prefetched with keep, unchanged since): its valid copy is the file
         extent or host copy again, at once and without I/O, and its device bytes are the
-        caller's to free. False
-        (nothing changes) when the chunk has no shadow or a move is pending."""
+        caller's to free. False (nothing changes) when the chunk has no shadow or a move is
+        pending."""
         chunk = self._chunk(chunk_id)
         with self._lock:
             if not chunk.shadow or chunk.location != "device" or \
