@@ -105,20 +105,27 @@ def run(args, command: str) -> SuiteResult:
     return res
 
 
+def plan_cli():
+    """launch/plan.py as a module (a script, not part of the package)."""
+    import importlib.util
+
+    module_spec = importlib.util.spec_from_file_location("plan_cli", os.path.join(REPO, "launch", "plan.py"))
+    cli = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(cli)
+    return cli
+
+
 def _planner_check(spec, records, summaries) -> list:
     """launch/plan.py's offload figures for this model and the run's own tier map, against what
     the SSD run placed (its per-step offload_bytes_* records) and what its RSS saved."""
     import dataclasses
-    import importlib.util
 
     from megatron_grpo.planner import plan, stream_window_bytes
 
     ssd = [r for r in records.get("grpo-ssd", []) if "grpo_tier_map" in r and r.get("grpo_tiered")]
     if not ssd:
         return []
-    module_spec = importlib.util.spec_from_file_location("plan_cli", os.path.join(REPO, "launch", "plan.py"))
-    cli = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(cli)
+    cli = plan_cli()
     # The byte tokenizer's 258 ids; CPU mode runs megatron's local spec (unfused attention).
     model, cluster, grpo, bucket, offload = cli.spec_from_flags(
         ["--config", spec.config, "--grpo", "--grpo-offload", "ssd", "--grpo-offload-dir", "x"],

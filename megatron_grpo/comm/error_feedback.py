@@ -142,8 +142,10 @@ class ErrorFeedback:
             self._residuals[key] = residual  # changed: an offloading store writes it again
 
     def drop(self, key: Hashable) -> None:
-        """Free the residual of ``key`` (bucket left the dynamic tier)."""
-        self._residuals.pop(key, None)
+        """Free the residual of ``key`` (bucket left the dynamic tier); an offloading store
+        forgets it without reading it back."""
+        if key in self._residuals:
+            del self._residuals[key]
 
     def keys(self) -> List[Hashable]:
         return list(self._residuals)

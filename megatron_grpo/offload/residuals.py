@@ -122,8 +122,15 @@ class OffloadedResiduals:
         tensor = self._tensors.get(key)
         if tensor is None:
             return default
-        value = self.get(key)
-        out = value.clone()
+        out = self.get(key).clone()
+        del self[key]
+        return out
+
+    def __delitem__(self, key: Hashable) -> None:
+        """Forget ``key`` without reading it back (a bucket that left the dynamic tier)."""
+        if key not in self._tensors:
+            raise KeyError(key)
+        value = self._tensors[key]
         for i in self._ids[key]:
             self.store.overwrite(i)  # gives its file extent back: the key may come back later
         del self._tensors[key], self._ids[key], self._state[key]
@@ -131,7 +138,6 @@ class OffloadedResiduals:
         if key in self._writes:
             self._writes.remove(key)
         value.untyped_storage().resize_(0)  # the store keeps only a zero-byte registration
-        return out
 
     def keys(self) -> List[Hashable]:
         return list(self._tensors)

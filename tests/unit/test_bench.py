@@ -278,17 +278,12 @@ def test_contenders_subset_on_another_config_gets_its_own_section(tmp_path, monk
 
 
 def test_memory_suite_checks_the_planner_against_what_the_ssd_run_placed():
-    import importlib.util
-
     from megatron_grpo.bench import memory
     from megatron_grpo.bench.runner import CONFIGS, RunSpec
     from megatron_grpo.planner import plan, stream_window_bytes
 
     config = os.path.join(CONFIGS, "mem100m.yaml")
-    spec_ = importlib.util.spec_from_file_location("plan_cli", os.path.join(
-        os.path.dirname(CONFIGS), "plan.py"))
-    cli = importlib.util.module_from_spec(spec_)
-    spec_.loader.exec_module(cli)
+    cli = memory.plan_cli()
     model, cluster, grpo, bucket, off = cli.spec_from_flags(
         ["--config", config, "--grpo", "--grpo-offload", "ssd", "--grpo-offload-dir", "x"], nodes=1,
         gpus_per_node=2, gpu_memory_gb=1.0, link_gbps=1.0, vocab=258, attention="unfused")

@@ -25,6 +25,14 @@ def state(seed=0):
             2: [("master", torch.randn(5_000, generator=g))]}
 
 
+def place_away(p, st, tiers):
+    """Register ``st``, run a step start with ``tiers`` (no update) and let every move finish."""
+    p.add(st)
+    p.begin_step(tiers, False, False)
+    p.store.wait_all()
+    p.settle()
+
+
 def storage_bytes(t):
     return t.untyped_storage().nbytes()
 
@@ -68,10 +76,7 @@ def test_a_late_prefetch_is_a_measured_stall_not_a_wrong_read(tmp_path):
     ref = st[0][0][1].clone()
     p = make(tmp_path)
     try:
-        p.add(st)
-        p.begin_step(["stable", "core", "core"], False, False)
-        p.store.wait_all()
-        p.settle()
+        place_away(p, st, ["stable", "core", "core"])
         assert storage_bytes(st[0][0][1]) == 0
         # No step-ahead prefetch (e.g. the interval changed): ensure() fetches and waits.
         p.begin_step(["stable", "core", "core"], update_now=True, update_next=False)
@@ -87,10 +92,7 @@ def test_units_leaving_stable_come_back_and_resident_all_restores_everything(tmp
     ref = [t.clone() for pairs in st.values() for _, t in pairs]
     p = make(tmp_path)
     try:
-        p.add(st)
-        p.begin_step(["stable", "stable", "stable"], False, False)
-        p.store.wait_all()
-        p.settle()
+        place_away(p, st, ["stable", "stable", "stable"])
         p.begin_step(["core", "stable", "stable"], False, False)  # a re-tier moved unit 0 out
         p.ensure(update_now=False)
         assert torch.equal(st[0][0][1], ref[0]) and storage_bytes(st[1][0][1]) == 0
@@ -206,10 +208,7 @@ def test_a_flipped_byte_in_the_file_stops_the_step_naming_file_chunk_and_rank(tm
     p = TierPlacement(ChunkStore(OffloadConfig(chunk_mb=CHUNK / (1 << 20), offload_dir=str(tmp_path),
                                                capacity=8 << 20, io_mode="buffered"), rank=3), "ssd")
     try:
-        p.add(st)
-        p.begin_step(["stable", "core", "core"], False, False)
-        p.store.wait_all()
-        p.settle()
+        place_away(p, st, ["stable", "core", "core"])
         info = p.store.chunk_info(p.units[0].tensors[0].ids[1])
         with open(p.store.file.path, "r+b") as fh:  # the disk returns one bad byte
             fh.seek(info["file_offset"] + 100)
