@@ -12,6 +12,7 @@ from typing import Optional
 
 TIERS = ("core", "dynamic", "stable")
 COMPRESSORS = ("int4", "int8", "topk", "powersgd")
+CORE_COMPRESSORS = ("none", "int8", "int4")
 STABLE_MODES = ("frozen", "delayed")
 SPARSE_TIERS = ("no-stable", "any")
 TIER_POLICIES = ("importance", "random", "inverse")
@@ -60,6 +61,11 @@ class GRPOConfig:
     compressor: str = "int4"
     """Dynamic-tier compressor: int4 (~8:1 vs fp32), int8 (~4:1), topk, or powersgd (a
     PowerSGD-style rank-r peer for benchmarks: two all-reduces of the low-rank factors)."""
+    core_compressor: str = "none"
+    """Core-tier compressor: none (exact, bit-identical to megatron's own sync), or int8 / int4
+    with error feedback, like the dynamic tier but with its own residuals. The ranking then
+    decides how many bits a unit gets (core int8, dynamic --grpo-compressor) rather than whether
+    it is exact. Units with copies on several pipeline stages (the tied embedding) stay exact."""
     compress_chunk: int = 256
     """Elements sharing one fp32 scale in int4/int8 quantisation."""
     topk_ratio: float = 0.05
@@ -67,7 +73,8 @@ class GRPOConfig:
     powersgd_rank: int = 4
     """Rank r of the powersgd compressor (bucket viewed as a ~square matrix; bytes ~ 2 r sqrt(N))."""
     compress_param_gather: bool = True
-    """Send dynamic buckets' parameter updates quantised (owner keeps exact master weights)."""
+    """Send compressed buckets' parameter updates quantised (dynamic, and core with
+    --grpo-core-compressor; the owner keeps exact master weights)."""
     stable_interval: int = 10
     """The stable tier is updated (wgrad, sync, optimizer step) every this many iterations; 0
     never updates it (the static-freeze ablation: units frozen at the first tiering stay frozen
@@ -136,6 +143,8 @@ class GRPOConfig:
             fail("hysteresis", "in [0, 1)", self.hysteresis)
         if self.compressor not in COMPRESSORS:
             fail("compressor", "one of " + ", ".join(COMPRESSORS), self.compressor)
+        if self.core_compressor not in CORE_COMPRESSORS:
+            fail("core_compressor", "one of " + ", ".join(CORE_COMPRESSORS), self.core_compressor)
         if not 0.0 < self.topk_ratio <= 1.0:
             fail("topk_ratio", "in (0, 1]", self.topk_ratio)
         if isinstance(self.powersgd_rank, bool) or not isinstance(self.powersgd_rank, int) \

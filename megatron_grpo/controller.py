@@ -180,6 +180,9 @@ class GRPOController:
                                  } if self.powersgd is not None else {}
         self.compressor = build_compressor("int4" if self.powersgd else config.compressor,
                                            config.compress_chunk, config.topk_ratio)
+        self.core_compressor = (None if config.core_compressor == "none" else
+                                build_compressor(config.core_compressor, config.compress_chunk,
+                                                 config.topk_ratio))
         self.ef = ErrorFeedback()
         # Keyed by (unit, bucket index in its group), like the error-feedback residuals.
         self.carry: Dict[tuple, torch.Tensor] = {}
@@ -305,6 +308,22 @@ class GRPOController:
     def unit_active(self, index: int) -> bool:
         """False when the unit is stable and this is not its update step (nothing to do)."""
         return self.tiers[index] != "stable" or self.step.stable_update
+
+    def unit_compressor(self, index: int):
+        """The compressor of the unit's gradient and parameter sync this step, or None for an
+        exact one (megatron's own). Core is compressed only with --grpo-core-compressor, once
+        tiered (the warm-up is the baseline's exact sync, all units core), and never for a unit
+        pinned to core (its copies on two pipeline stages must stay exact); with one
+        data-parallel rank there is nothing to send, so nothing is compressed."""
+        if self.dp_size <= 1:
+            return None
+        tier = self.tiers[index]
+        if tier == "dynamic":
+            return self.compressor
+        if tier == "core" and self.tiered and self.core_compressor is not None \
+                and not self.units[index].pinned:
+            return self.core_compressor
+        return None
 
     def tier_of_bucket(self, bucket) -> str:
         return self.tiers[self.unit_of_bucket[id(bucket)]]

@@ -420,6 +420,8 @@ def plan(model: ModelSpec, cluster: ClusterSpec, grpo: GRPOConfig,
                          "peer (its bytes depend on every parameter's matrix shape); its bytes are "
                          "counted by python -m megatron_grpo.bench comm. Plan with int4/int8/topk")
     compressor = build_compressor(grpo.compressor, grpo.compress_chunk, grpo.topk_ratio)
+    core_compressor = (None if grpo.core_compressor == "none" else
+                       build_compressor(grpo.core_compressor, grpo.compress_chunk, grpo.topk_ratio))
 
     per_stage = []
     for st in range(pp):
@@ -434,7 +436,8 @@ def plan(model: ModelSpec, cluster: ClusterSpec, grpo: GRPOConfig,
         elements = _tier_elements(units, share_tiers, grpo)
         accum = elements["stable"] if grpo.stable_mode == "delayed" else 0.0
         g = _memory(model, cluster, units, sum(numels), act, separate_fp32_master=True,
-                    ef_elements=elements["dynamic"] if dp > 1 else 0.0, accum_elements=accum)
+                    ef_elements=(elements["dynamic"] + (elements["core"] if core_compressor else 0.0)
+                                 if dp > 1 else 0.0), accum_elements=accum)
         if offload is not None and offload.target != "none":
             _place(g, units, elements, sum(numels) / dp, dp, offload.stream,
                    offload.residuals and grpo.compressor != "powersgd")
@@ -452,12 +455,16 @@ def plan(model: ModelSpec, cluster: ClusterSpec, grpo: GRPOConfig,
 
     exact = [_unit_bytes(n, dp, pb) for n in units]
     dyn = [_dynamic_bytes(n, dp, pb, grpo, compressor) for n in units]
+    # Core sends exact bytes, or its own compressor's (pinned units are not modelled: the
+    # tied embedding's copies on two stages stay exact, a few units at most).
+    core_bytes = exact if core_compressor is None else \
+        [_dynamic_bytes(n, dp, pb, grpo, core_compressor) for n in units]
     if tier_list:
-        core = sum(x for x, t in zip(exact, tier_list) if t == "core")
+        core = sum(x for x, t in zip(core_bytes, tier_list) if t == "core")
         dynamic = sum(x for x, t in zip(dyn, tier_list) if t == "dynamic")
         stable = sum(x for x, t in zip(exact, tier_list) if t == "stable")
     else:  # quota shares by element, applied to the stage's per-unit bytes
-        core = round(grpo.core_share * sum(exact))
+        core = round(grpo.core_share * sum(core_bytes))
         dynamic = round(grpo.dynamic_share * sum(dyn))
         stable = round(grpo.stable_share * sum(exact))
     return Plan(model=model, cluster=cluster, grpo=grpo, memory_stage=mem_entry[0],

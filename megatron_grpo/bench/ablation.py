@@ -36,7 +36,15 @@ CONTENDERS = [
               "same shares, most important units stable, least important core"),
     Contender("score-grad", [*FROZEN, "--grpo-importance-score", "grad"], "ranked by sum |g|"),
     Contender("score-fisher", [*FROZEN, "--grpo-importance-score", "fisher"], "ranked by sum g^2"),
+    # With an int8 core and a delayed stable tier no unit loses gradients: the ranking then only
+    # decides how many bits a unit's sync gets (core int8, dynamic int4, stable exact every 10).
+    Contender("importance-core8", ["--grpo", "--grpo-core-compressor", "int8"],
+              "core int8, dynamic int4, stable delayed, ranked by importance"),
+    Contender("random-core8", ["--grpo", "--grpo-core-compressor", "int8", "--grpo-tier-policy", "random"],
+              "the same compressors on a fresh random draw at every re-tier"),
 ]
+# (importance, random) pairs whose gap is tested against the seed-to-seed spread.
+PAIRS = [("importance", "random"), ("importance-core8", "random-core8")]
 
 
 def ranking_verdict(importance: Dict[int, Optional[float]], random: Dict[int, Optional[float]]) -> str:
@@ -72,13 +80,14 @@ def run(args, command: str) -> SuiteResult:
                          *[pct(c.name, s, "val_loss_diff_pct") for s in seeds],
                          F.fmt(grid.mean(c.name, "steady_wire_ratio"), ".3f")])
     spread = grid.baseline_spread_pct()
-    for key, what in (("late_loss_diff_pct", "late loss"), ("val_loss_diff_pct", "final validation")):
-        if not grid.has("importance", "random"):
-            break
-        verdict = ranking_verdict({s: grid.compare["importance"][s].get(key) for s in seeds},
-                                  {s: grid.compare["random"][s].get(key) for s in seeds})
-        if verdict:
-            res.notes.append(f"{what}: {verdict}")
+    for ranked, drawn in PAIRS:
+        if not grid.has(ranked, drawn):
+            continue
+        for key, what in (("late_loss_diff_pct", "late loss"), ("val_loss_diff_pct", "final validation")):
+            verdict = ranking_verdict({s: grid.compare[ranked][s].get(key) for s in seeds},
+                                      {s: grid.compare[drawn][s].get(key) for s in seeds})
+            if verdict:
+                res.notes.append(f"{what}, {ranked} vs {drawn}: {verdict}")
     res.notes.append(F.LATE_LOSS_NOTE)
     res.notes += [f"{c.name}: {c.about}" for c in [CONTENDERS[0], *ran]]
     res.notes.append(grid.load_note)
@@ -88,6 +97,10 @@ def run(args, command: str) -> SuiteResult:
     res.plots["validation loss vs baseline"] = plots.val_diff(
         {f"{n} s{s}": grid.compare[n][s]["val_diff_curve"] for n in ("importance", "random", "inverse")
          if grid.has(n) for s in seeds}, plot_path(grid.spec, "val_diff.png"), "tier policy: validation vs baseline")
+    if grid.has(*PAIRS[1]):
+        res.plots["validation loss vs baseline, int8 core"] = plots.val_diff(
+            {f"{n} s{s}": grid.compare[n][s]["val_diff_curve"] for n in PAIRS[1] for s in seeds},
+            plot_path(grid.spec, "val_diff_core8.png"), "int8 core: validation vs baseline")
     res.plots["bytes vs late loss"] = plots.bytes_vs_quality(
         {n: (grid.mean(n, "steady_wire_ratio"), grid.mean(n, "late_loss_diff_pct"))
          for n in grid.compare if n != "baseline"}, plot_path(grid.spec, "front.png"),

@@ -50,7 +50,12 @@ CONTENDERS += [Contender("delayed", ["--grpo", "--grpo-stable-mode", "delayed"],
                Contender("powersgd", ["--grpo", "--grpo-compressor", "powersgd", *FROZEN],
                          "PowerSGD rank-4 dynamic tier (the comm suite's peer)"),
                Contender("all-int4", ["--grpo", *ALL_DYNAMIC, *FROZEN],
-                         "no tiers: every unit int4 with error feedback (the comm suite's peer)")]
+                         "no tiers: every unit int4 with error feedback (the comm suite's peer)"),
+               Contender("core-int8", ["--grpo", "--grpo-core-compressor", "int8"],
+                         "core int8 with error feedback, dynamic int4, stable delayed"),
+               Contender("core-30-int8", ["--grpo", "--grpo-core-compressor", "int8",
+                                          "--grpo-core-share", "0.3", "--grpo-dynamic-share", "0.5"],
+                         "core share 0.3 int8, dynamic 0.5 int4, stable 0.2 delayed")]
 
 
 def _at_most(value, limit: float) -> bool:

@@ -6,11 +6,13 @@ Thin overrides of ``megatron.core.distributed.param_and_grad_buffer._ParamAndGra
 * ``start_grad_sync``: importance is measured from the bucket's local gradient first (the
   bucket-ready path, during backward; on a side CUDA stream on GPU). Then by tier: core and a
   stable unit on its update step call megatron's own method (bit-identical to the baseline);
-  dynamic sends a compressed reduce-scatter with error feedback; a stable unit between
-  updates sends nothing (delayed mode accumulates the gradient locally).
+  dynamic (and core with --grpo-core-compressor) sends a compressed reduce-scatter with error
+  feedback; a stable unit between updates sends nothing (delayed mode accumulates the gradient
+  locally).
 * ``finish_grad_sync``: waits on whichever handle the tier produced, timing the wait (RU).
-* ``start_param_sync``: core/stable-update use megatron's all-gather; dynamic sends the owners'
-  quantised parameter deltas; a stable unit between updates has nothing new to send.
+* ``start_param_sync``: exact core/stable-update use megatron's all-gather; compressed units
+  send the owners' quantised parameter deltas; a stable unit between updates has nothing new
+  to send.
 
 The class is installed by swapping ``__class__`` on the groups DDP built, so megatron's own
 bucket layout, ready-count bookkeeping and overlap with backward stay as they are.
@@ -97,8 +99,9 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
                 return
             if tier == "stable" and ctrl.config.stable_mode == "delayed":
                 self._merge_stable_accumulator()
-            if tier == "dynamic" and ctrl.dp_size > 1:
-                self._start_dynamic_reduce()
+            compressor = ctrl.unit_compressor(unit)
+            if compressor is not None:
+                self._start_compressed_reduce(tier, compressor)
                 return
             self._add_pending(scale_first=False)
             with ctrl.counter.tag(tier):
@@ -112,28 +115,31 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
             if b.gradient_scaling_factor != 1.0:
                 b.grad_data *= b.gradient_scaling_factor
 
-    def _start_dynamic_reduce(self) -> None:
+    def _start_compressed_reduce(self, tier: str, compressor) -> None:
+        """Dynamic, or core with --grpo-core-compressor: a compressed reduce-scatter with error
+        feedback. The health figures (GVR, relative error) are the dynamic tier's only."""
         ctrl = self.grpo
         self._scale()
         self._add_pending(scale_first=True)
         rank = self._group.rank()
         async_op = self.ddp_config.overlap_grad_reduce
+        stats = ctrl.health_stats(self.grpo_unit) if tier == "dynamic" else None
         handles = []
-        with ctrl.counter.tag("dynamic"):
+        with ctrl.counter.tag(tier):
             for i, b in enumerate(self.buckets):
                 shard = b.grad_data.numel() // ctrl.dp_size
                 out = b.grad_data[rank * shard:(rank + 1) * shard]
                 key = (self.grpo_unit, i)
-                if ctrl.powersgd is not None:
+                if ctrl.powersgd is not None and tier == "dynamic":
                     handles.append(PowerSGDReduceScatter(
                         key, b.grad_data, out, ctrl.ef, ctrl.powersgd, ctrl.powersgd_layouts[key],
                         self._group, async_op,
                         tag=lambda: ctrl.counter.tag("dynamic"), replicated=ctrl.replicated.get(key),
-                        stats=ctrl.health_stats(self.grpo_unit)))
+                        stats=stats))
                     continue
                 handles.append(CompressedReduceScatter(
-                    key, b.grad_data, out, ctrl.ef, ctrl.compressor, self._group, async_op,
-                    replicated=ctrl.replicated.get(key), stats=ctrl.health_stats(self.grpo_unit)))
+                    key, b.grad_data, out, ctrl.ef, compressor, self._group, async_op,
+                    replicated=ctrl.replicated.get(key), stats=stats))
         self.grad_reduce_handle = _Handles(handles) if async_op else _Completed()
 
     def _hold_stable_gradient(self) -> None:
@@ -193,9 +199,10 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
             # Frozen stable unit: its parameters did not change, every rank already has them.
             self.param_gather_dispatched = True
             return
-        if tier == "dynamic" and ctrl.config.compress_param_gather and ctrl.dp_size > 1:
+        compressor = ctrl.unit_compressor(unit)
+        if compressor is not None and ctrl.config.compress_param_gather:
             rank = self._group.rank()
-            with ctrl.counter.tag("dynamic"):
+            with ctrl.counter.tag(tier):
                 for i, b in enumerate(self.buckets):
                     param_flat = b.param_data.view(-1)
                     staged = ctrl.staging.pop((unit, i), None)
@@ -205,7 +212,7 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
                         # must issue the same collectives whatever its data.
                         shard = param_flat.numel() // ctrl.dp_size
                         staged = param_flat[rank * shard:(rank + 1) * shard].to(torch.float32, copy=True)
-                    compressed_param_gather(param_flat, staged, ctrl.compressor, self._group,
+                    compressed_param_gather(param_flat, staged, compressor, self._group,
                                             replicated=ctrl.replicated.get((unit, i)))
             self.param_gather_dispatched = True
             return

@@ -6,7 +6,8 @@ thin overrides:
 * ``_copy_model_grads_to_main_grads``: ranges of stable units between their updates get
   ``grad = None``, so torch Adam skips them (no moment drift, no weight decay) and the global
   gradient norm (hence clipping) is taken over the gradients actually applied.
-* ``_copy_main_params_to_model_params``: a dynamic unit's updated master shard goes to a staging
+* ``_copy_main_params_to_model_params``: a compressed unit's (dynamic, or core with
+  --grpo-core-compressor) updated master shard goes to a staging
   buffer instead of the parameter buffer; the bucket group then sends the quantised difference
   (see megatron_grpo.comm.dynamic). Frozen stable units are not copied (nothing changed).
 * ``state_dict``: skipped params make torch Adam's per-param ``step`` counters differ, and
@@ -104,7 +105,7 @@ class GRPODistributedOptimizer(DistributedOptimizer):
         ctrl = self.grpo
         if ctrl is None:
             return super()._copy_main_params_to_model_params()
-        compress = ctrl.config.compress_param_gather and ctrl.dp_size > 1
+        compress = ctrl.config.compress_param_gather
         rank = self.data_parallel_group.rank()
         copied = self._grpo_copied_units
         for model_param, shard in self._pairs():
@@ -115,7 +116,7 @@ class GRPODistributedOptimizer(DistributedOptimizer):
                 continue
             world_range = self._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
             param_flat = bucket.param_data.view(-1)
-            if compress and ctrl.tiers[unit] == "dynamic":
+            if compress and ctrl.unit_compressor(unit) is not None:
                 shard_len = param_flat.numel() // ctrl.dp_size
                 index = (unit, self._bucket_index_in_group(ctrl, unit, bucket))
                 staged = ctrl.staging.get(index)

@@ -215,10 +215,14 @@ def main():
         for unit, tier in zip(ctrl.units, tiers):
             if tier == "stable" and not ctrl.step.stable_update:
                 continue
+            # Core is compressed with --grpo-core-compressor after the exact warm-up, except a
+            # unit pinned to core (copies on two pipeline stages); dp 1 sends nothing either way.
+            unit_comp = comp if tier == "dynamic" else (
+                ctrl.core_compressor if tier == "core" and ctrl.tiered and not unit.pinned else None)
             for b in unit.group.buckets:
                 n = b.grad_data.numel()
-                if tier == "dynamic":
-                    payload = comp.payload_bytes(n // dp)
+                if unit_comp is not None:
+                    payload = unit_comp.payload_bytes(n // dp)
                     expected[tier] += 2 * (dp - 1) * payload  # all_to_all out + all-gather
                     rep = ctrl.replicated.get((unit.index, unit.group.buckets.index(b)))
                     if rep is not None:  # exact all-reduces of replicated grads and values

@@ -56,6 +56,7 @@ RANGE = {
     "grpo.importance_interval": ["--grpo-importance-interval", "0"],
     "grpo.importance_decay": ["--grpo-importance-decay", "1.0"], "grpo.hysteresis": ["--grpo-hysteresis", "1.0"],
     "grpo.compressor": ["--grpo-compressor", "int3"], "grpo.compress_chunk": ["--grpo-compress-chunk", "0"],
+    "grpo.core_compressor": ["--grpo-core-compressor", "topk"],
     "grpo.topk_ratio": ["--grpo-topk-ratio", "0"], "grpo.compress_param_gather": None,
     "grpo.powersgd_rank": ["--grpo-powersgd-rank", "0"],
     "grpo.importance_score": ["--grpo-importance-score", "hessian"],

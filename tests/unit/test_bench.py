@@ -271,7 +271,7 @@ def test_contenders_subset_on_another_config_gets_its_own_section(tmp_path, monk
     assert "score variants (small.yaml)" in section
     rows = [line.split(" | ")[0].lstrip("| ") for line in section.splitlines() if line.startswith("| ")]
     assert rows == ["contender", "importance", "random"]
-    assert "late loss: importance ranking beats random tiers" in section
+    assert "late loss, importance vs random: importance ranking beats random tiers" in section
     saved = json.loads((tmp_path / "o" / "ablation" / "ablation-small.json").read_text())
     assert saved["suite"] == "ablation-small"
     assert cli.main([*argv[:-4], "--contenders", "nope"]) == 1

@@ -1,0 +1,56 @@
+"""--grpo-core-compressor: which units a step compresses, and what the planner predicts for it.
+(The runs that check counted bytes, identical copies and resume are in
+tests/multiproc/test_core_compressor.py.)"""
+
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_grpo.comm.compress import Int4Compressor, Int8Compressor
+from megatron_grpo.config import GRPOConfig, GRPOConfigError
+from megatron_grpo.controller import GRPOController
+from megatron_grpo.planner import ClusterSpec, ModelSpec, plan
+
+
+def _ctrl(tiers, dp=2, tiered=True, core="int8", pinned=()):
+    units = [SimpleNamespace(pinned="core" if i in pinned else None) for i in range(len(tiers))]
+    return SimpleNamespace(dp_size=dp, tiers=list(tiers), tiered=tiered, units=units,
+                           compressor=Int4Compressor(256),
+                           core_compressor=Int8Compressor(256) if core else None)
+
+
+def _decisions(ctrl):
+    return [type(GRPOController.unit_compressor(ctrl, i)).__name__ for i in range(len(ctrl.tiers))]
+
+
+def test_each_unit_gets_its_tiers_compressor():
+    tiers = ["core", "dynamic", "stable", "core"]
+    assert _decisions(_ctrl(tiers)) == ["Int8Compressor", "Int4Compressor", "NoneType", "Int8Compressor"]
+    # Without the flag core is exact (megatron's own sync), as before.
+    assert _decisions(_ctrl(tiers, core=None)) == ["NoneType", "Int4Compressor", "NoneType", "NoneType"]
+    # The warm-up (all core, before the first tiering) is the baseline's exact sync.
+    assert _decisions(_ctrl(["core"] * 3, tiered=False)) == ["NoneType"] * 3
+    # A unit pinned to core (copies on two pipeline stages) stays exact.
+    assert _decisions(_ctrl(tiers, pinned=(3,))) == ["Int8Compressor", "Int4Compressor", "NoneType", "NoneType"]
+    # One data-parallel rank has nothing to send: nothing is compressed.
+    assert _decisions(_ctrl(tiers, dp=1)) == ["NoneType"] * 4
+
+
+def test_the_flag_names_its_choices():
+    GRPOConfig(enabled=True, core_compressor="int4").validate()
+    with pytest.raises(GRPOConfigError, match=r"--grpo-core-compressor must be one of none, int8, int4, got 'topk'"):
+        GRPOConfig(enabled=True, core_compressor="topk").validate()
+
+
+def test_planner_core_bytes_and_residuals():
+    m = ModelSpec(num_layers=32, hidden=4096, heads=32, ffn_hidden=14336, flash_attention=True)
+    c = ClusterSpec(nodes=2, gpus_per_node=8, tp=2)
+    exact = plan(m, c, GRPOConfig(enabled=True))
+    core8 = plan(m, c, GRPOConfig(enabled=True, core_compressor="int8"))
+    # bf16 exact sync sends 4 + 2 bytes per element; int8 sends 2 x (1 + 4/256).
+    assert core8.grpo_traffic.core == pytest.approx(exact.grpo_traffic.core * 2 * (1 + 4 / 256) / 6, rel=1e-3)
+    assert core8.grpo_traffic.dynamic == exact.grpo_traffic.dynamic
+    assert core8.grpo_traffic.stable_update == exact.grpo_traffic.stable_update
+    # Core now keeps error-feedback residuals (fp32, one per element of its shard's buckets).
+    ratio = core8.grpo_memory.error_feedback / exact.grpo_memory.error_feedback
+    assert ratio == pytest.approx((0.15 + 0.65) / 0.65, rel=1e-6)
