@@ -64,6 +64,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--contenders", nargs="+", default=None, metavar="CONTENDER",
                    help="run and tabulate only these contenders of the suite (and its "
                         "baseline), e.g. a subset of the ablation on a larger model")
+    p.add_argument("--section", default=None,
+                   help="docs section (and JSON) name of this suite's table instead of the "
+                        "suite's own, e.g. a --contenders subset beside the full table")
     p.add_argument("--docs", default=os.path.join(REPO, "docs", "benchmarks.md"),
                    help="the markdown file whose bench sections are regenerated (all, --update-docs)")
     p.add_argument("--update-docs", action="store_true",

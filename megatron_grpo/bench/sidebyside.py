@@ -54,7 +54,7 @@ def run_grid(suite: str, args, default_config: str, contenders: List[Contender],
     todo = [c for c in select(contenders, getattr(args, "contenders", None), suite) if not c.skip]
     runner = Runner(suite, spec, len(todo) * len(seeds))
     grid = Grid(spec, seeds)
-    grid.section = section_name(suite, spec.config, default_config)
+    grid.section = getattr(args, "section", None) or section_name(suite, spec.config, default_config)
     grid.names = [c.name for c in todo]
     for seed in seeds:
         for c in todo:

@@ -275,6 +275,11 @@ def test_contenders_subset_on_another_config_gets_its_own_section(tmp_path, monk
     saved = json.loads((tmp_path / "o" / "ablation" / "ablation-small.json").read_text())
     assert saved["suite"] == "ablation-small"
     assert cli.main([*argv[:-4], "--contenders", "nope"]) == 1
+    # --section: the same table under another name, the earlier section left as it was.
+    assert cli.main([*argv, "--section", "ablation-pair"]) == 0
+    text = docs.read_text()
+    assert section in text and "<!-- bench:ablation-pair -->" in text
+    assert (tmp_path / "o" / "ablation" / "ablation-pair.json").exists()
 
 
 def test_memory_suite_checks_the_planner_against_what_the_ssd_run_placed():
