@@ -94,9 +94,11 @@ def run(args, command: str) -> SuiteResult:
     res.notes.append(f"the baseline's own validation loss differs by {F.fmt(spread, '.2f', ' %')} "
                      f"between the seeds")
     res.data = {"summaries": grid.summaries, "compare": grid.compare, "baseline_spread_pct": spread}
-    res.plots["validation loss vs baseline"] = plots.val_diff(
-        {f"{n} s{s}": grid.compare[n][s]["val_diff_curve"] for n in ("importance", "random", "inverse")
-         if grid.has(n) for s in seeds}, plot_path(grid.spec, "val_diff.png"), "tier policy: validation vs baseline")
+    policies = [n for n in ("importance", "random", "inverse") if grid.has(n)]
+    if policies:
+        res.plots["validation loss vs baseline"] = plots.val_diff(
+            {f"{n} s{s}": grid.compare[n][s]["val_diff_curve"] for n in policies for s in seeds},
+            plot_path(grid.spec, "val_diff.png"), "tier policy: validation vs baseline")
     if grid.has(*PAIRS[1]):
         res.plots["validation loss vs baseline, int8 core"] = plots.val_diff(
             {f"{n} s{s}": grid.compare[n][s]["val_diff_curve"] for n in PAIRS[1] for s in seeds},

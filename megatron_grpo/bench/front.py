@@ -55,7 +55,11 @@ CONTENDERS += [Contender("delayed", ["--grpo", "--grpo-stable-mode", "delayed"],
                          "core int8 with error feedback, dynamic int4, stable delayed"),
                Contender("core-30-int8", ["--grpo", "--grpo-core-compressor", "int8",
                                           "--grpo-core-share", "0.3", "--grpo-dynamic-share", "0.5"],
-                         "core share 0.3 int8, dynamic 0.5 int4, stable 0.2 delayed")]
+                         "core share 0.3 int8, dynamic 0.5 int4, stable 0.2 delayed"),
+               Contender("core-int8-no-stable", ["--grpo", "--grpo-core-compressor", "int8",
+                                                 "--grpo-dynamic-share", "0.85", "--grpo-stable-share", "0",
+                                                 "--grpo-max-dynamic-share", "0.85"],
+                         "core 0.15 int8, dynamic 0.85 int4, no stable tier")]
 
 
 def _at_most(value, limit: float) -> bool:
