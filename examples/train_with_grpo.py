@@ -41,6 +41,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=4, help="exact steps before the first tiering "
                    "(GRPOConfig.warmup_iters; real runs use ~100)")
     p.add_argument("--stable-interval", type=int, default=2, help="GRPOConfig.stable_interval")
+    p.add_argument("--stable-share", type=float, default=0.2, help="GRPOConfig.stable_share: 0 "
+                   "by default there (issue 9's front); on here so the example shows all three tiers")
     p.add_argument("--bucket-mb", type=float, default=0.04, help="tier unit size in MB "
                    "(GRPOConfig.bucket_mb; 128 on real models)")
     p.add_argument("--num-layers", type=int, default=2)
@@ -106,7 +108,8 @@ def main(argv=None):
     #    schedules so that tiers appear within a few steps.
     grpo = GRPOConfig(enabled=True, bucket_mb=args.bucket_mb, warmup_iters=args.warmup,
                       retier_interval=8, stable_interval=args.stable_interval,
-                      gvr_interval=args.stable_interval)
+                      gvr_interval=args.stable_interval, stable_share=args.stable_share,
+                      dynamic_share=0.85 - args.stable_share)
     grpo.validate(dist.get_world_size())
 
     # 5. megatron DDP, with GRPO's subclass and one DDP bucket per tier unit. GRPO needs the

@@ -53,13 +53,20 @@ def _lines(path: str) -> int:
         return 0
 
 
+# The settings docs/benchmarks.md's slow-link figures were measured with (GRPO's defaults before
+# issue 9's front: three tiers 15/65/20, exact core, frozen stable), so the command reproduces them.
+GRPO_FLAGS = ["--grpo", "--grpo-core-share", "0.15", "--grpo-dynamic-share", "0.65",
+              "--grpo-stable-share", "0.2", "--grpo-max-dynamic-share", "0.7",
+              "--grpo-core-compressor", "none", "--grpo-stable-mode", "frozen"]
+
+
 def run_pair(cluster, rate: str, args, out: str, first_iter: int) -> Dict[str, Dict]:
     results = {}
     for name in ("baseline", "grpo"):
         metrics = os.path.join(out, f"{rate}_{name}.jsonl")
         flags = ["--config", args.config, "--data-path", args.data_path, "--train-iters",
                  str(args.train_iters), "--seed", str(args.seed), "--metrics-file", metrics,
-                 "--run-name", f"{name}@{rate}", *(["--grpo"] if name == "grpo" else [])]
+                 "--run-name", f"{name}@{rate}", *(GRPO_FLAGS if name == "grpo" else [])]
         env = dict(GRPO_ROOT=REPO, PYTHON=sys.executable, GRPO_DEVICE="cpu", SHARED_FS="1",
                    NODE_LOCAL_DIR=os.path.join(out, "local"), PYTHONWARNINGS="ignore",
                    LOG_DIR=os.path.join(out, f"{rate}_{name}.ranks"))

@@ -64,13 +64,17 @@ def train_and_read(tmp_path, name: str, nproc: int, args: Sequence[str],
     return read_metrics(metrics)
 
 
-# GRPO at test scale. The frozen stable mode (not the default since issue 9's front) is pinned:
-# most multi-rank tests check what frozen units do (no wgrad, no optimizer work, untouched
-# buffers); the delayed mode is tested by the tests that pass --grpo-stable-mode delayed after it.
+# GRPO at test scale, with all three tiers: the former 15/65/20 split, an exact core and the
+# frozen stable mode are pinned (the defaults since issue 9's front are core 0.15 int8, dynamic
+# 0.85, no stable tier). Most multi-rank tests check what frozen units do (no wgrad, no optimizer
+# work, untouched buffers) and that core is megatron's own sync; the tests of the delayed mode and
+# of the int8 core pass their flags after it (the last one wins).
+THREE_TIERS = ["--grpo-core-share", "0.15", "--grpo-dynamic-share", "0.65", "--grpo-stable-share", "0.2",
+               "--grpo-max-dynamic-share", "0.7", "--grpo-core-compressor", "none"]
 GRPO_SMALL = ["--grpo", "--grpo-bucket-mb", "0.04", "--grpo-warmup-iters", "6",
               "--grpo-retier-interval", "8", "--grpo-stable-interval", "4",
               "--grpo-gvr-interval", "4", "--grpo-importance-interval", "1",
-              "--grpo-stable-mode", "frozen"]
+              "--grpo-stable-mode", "frozen", *THREE_TIERS]
 
 
 def run_probe(tmp_path, nproc: int, args: Sequence[str], timeout: int = 300) -> dict:

@@ -15,6 +15,7 @@ from typing import Dict, Optional
 
 from megatron_grpo.bench import figures as F
 from megatron_grpo.bench import plots
+from megatron_grpo.bench.comm import THREE_TIERS
 from megatron_grpo.bench.runner import CONFIGS, Contender
 from megatron_grpo.bench.sidebyside import plot_path, run_grid
 from megatron_grpo.bench.suite import SuiteResult
@@ -24,8 +25,13 @@ DEFAULT_SEEDS = [1234, 4321]
 
 
 # The ablation freezes the stable tier: that is where the choice of units shows most (the
-# measured runs used frozen, then the default; named explicitly now that delayed is).
-FROZEN = ["--grpo", "--grpo-stable-mode", "frozen"]
+# measured runs used frozen, then the default; named explicitly now that delayed is), with the
+# three tiers and exact core of the time (named since the defaults moved).
+FROZEN = ["--grpo", *THREE_TIERS, "--grpo-stable-mode", "frozen"]
+
+# The same command as the front's core-int8-no-stable, so the two suites share the runs.
+_NO_STABLE = ["--grpo", "--grpo-core-compressor", "int8", "--grpo-dynamic-share", "0.85",
+              "--grpo-stable-share", "0", "--grpo-max-dynamic-share", "0.85"]
 
 CONTENDERS = [
     Contender("baseline", [], "megatron-core, exact"),
@@ -38,13 +44,20 @@ CONTENDERS = [
     Contender("score-fisher", [*FROZEN, "--grpo-importance-score", "fisher"], "ranked by sum g^2"),
     # With an int8 core and a delayed stable tier no unit loses gradients: the ranking then only
     # decides how many bits a unit's sync gets (core int8, dynamic int4, stable exact every 10).
-    Contender("importance-core8", ["--grpo", "--grpo-core-compressor", "int8"],
+    Contender("importance-core8", ["--grpo", *THREE_TIERS, "--grpo-core-compressor", "int8"],
               "core int8, dynamic int4, stable delayed, ranked by importance"),
-    Contender("random-core8", ["--grpo", "--grpo-core-compressor", "int8", "--grpo-tier-policy", "random"],
+    Contender("random-core8", ["--grpo", *THREE_TIERS, "--grpo-core-compressor", "int8",
+                               "--grpo-tier-policy", "random"],
               "the same compressors on a fresh random draw at every re-tier"),
+    # No stable tier: the ranking only chooses which 15 % get int8 instead of int4.
+    Contender("importance-core8-no-stable", [*_NO_STABLE], "core 0.15 int8, dynamic 0.85 int4, no "
+              "stable tier, ranked by importance"),
+    Contender("random-core8-no-stable", [*_NO_STABLE, "--grpo-tier-policy", "random"],
+              "the same two tiers on a fresh random draw at every re-tier"),
 ]
 # (importance, random) pairs whose gap is tested against the seed-to-seed spread.
-PAIRS = [("importance", "random"), ("importance-core8", "random-core8")]
+PAIRS = [("importance", "random"), ("importance-core8", "random-core8"),
+         ("importance-core8-no-stable", "random-core8-no-stable")]
 
 
 def ranking_verdict(importance: Dict[int, Optional[float]], random: Dict[int, Optional[float]]) -> str:
@@ -99,9 +112,10 @@ def run(args, command: str) -> SuiteResult:
         res.plots["validation loss vs baseline"] = plots.val_diff(
             {f"{n} s{s}": grid.compare[n][s]["val_diff_curve"] for n in policies for s in seeds},
             plot_path(grid.spec, "val_diff.png"), "tier policy: validation vs baseline")
-    if grid.has(*PAIRS[1]):
+    core8 = [n for pair in PAIRS[1:] for n in pair if grid.has(n)]
+    if core8:
         res.plots["validation loss vs baseline, int8 core"] = plots.val_diff(
-            {f"{n} s{s}": grid.compare[n][s]["val_diff_curve"] for n in PAIRS[1] for s in seeds},
+            {f"{n} s{s}": grid.compare[n][s]["val_diff_curve"] for n in core8 for s in seeds},
             plot_path(grid.spec, "val_diff_core8.png"), "int8 core: validation vs baseline")
     res.plots["bytes vs late loss"] = plots.bytes_vs_quality(
         {n: (grid.mean(n, "steady_wire_ratio"), grid.mean(n, "late_loss_diff_pct"))

@@ -13,19 +13,21 @@ import os
 
 from megatron_grpo.bench import figures as F
 from megatron_grpo.bench import plots
+from megatron_grpo.bench.comm import FORMER_FROZEN
 from megatron_grpo.bench.runner import CONFIGS, Contender
 from megatron_grpo.bench.sidebyside import plot_path, run_all
 from megatron_grpo.bench.suite import SuiteResult
 
 DEFAULT_CONFIG = os.path.join(CONFIGS, "tiny.yaml")
 NEVER = "1000000"  # iterations: longer than any run
+# Measured with the frozen stable mode and an exact core (the defaults of the time).
 FREEZE_20 = ["--grpo", "--grpo-core-share", "0.8", "--grpo-dynamic-share", "0",
-             "--grpo-stable-share", "0.2"]
+             "--grpo-stable-share", "0.2", "--grpo-stable-mode", "frozen", "--grpo-core-compressor", "none"]
 
 CONTENDERS = [
     Contender("baseline", [], "megatron-core, every parameter trained every step"),
-    Contender("grpo", ["--grpo"], "GRPO defaults: stable 20 % frozen between updates every 10 "
-              "steps, re-tiered every --grpo-retier-interval, dynamic int4"),
+    Contender("grpo", ["--grpo", *FORMER_FROZEN], "GRPO, former defaults: stable 20 % frozen "
+              "between updates every 10 steps, re-tiered every --grpo-retier-interval, dynamic int4"),
     Contender("rotating-freeze", FREEZE_20, "GRPO's stable tier alone: 20 % frozen between "
               "updates every 10 steps, re-tiered; everything else exact"),
     Contender("static-freeze", [*FREEZE_20, "--grpo-retier-interval", NEVER,

@@ -9,7 +9,7 @@ from typing import Dict, List, Tuple
 
 from megatron_grpo.bench import figures as F
 from megatron_grpo.bench import plots
-from megatron_grpo.bench.comm import ALL_DYNAMIC
+from megatron_grpo.bench.comm import ALL_DYNAMIC, THREE_TIERS
 from megatron_grpo.bench.runner import CONFIGS, Contender
 from megatron_grpo.bench.sidebyside import plot_path, run_grid
 from megatron_grpo.bench.suite import SuiteResult
@@ -27,39 +27,47 @@ def _core(share: float) -> List[str]:
 
 
 # Measured when frozen was the default stable mode; named explicitly so the command retrains the
-# same runs now that the default is delayed.
+# same runs now that the default is delayed. T: the three tiers and exact core of the time
+# (today's defaults are core 0.15 int8, dynamic 0.85, no stable tier: core-int8-no-stable).
 FROZEN = ["--grpo-stable-mode", "frozen"]
+T = ["--grpo", *THREE_TIERS]
 _NO_CORE = ["--grpo-core-share", "0", "--grpo-dynamic-share", "0.8", "--grpo-max-dynamic-share", "0.8"]
 
 CONTENDERS = [Contender("baseline", [], "megatron-core, exact"),
-              Contender("default", ["--grpo", *FROZEN], "GRPO defaults before issue 9 (frozen stable)")]
-CONTENDERS += [Contender(f"core-{int(100 * s)}", ["--grpo", *_core(s), *FROZEN], f"core share {s:g}")
+              Contender("default", [*T, *FROZEN], "GRPO defaults before issue 9 (15/65/20, exact "
+                        "core, frozen stable)")]
+CONTENDERS += [Contender(f"core-{int(100 * s)}", [*T, *_core(s), *FROZEN], f"core share {s:g}")
                for s in (0.05, 0.25)]
-CONTENDERS += [Contender(f"stable-every-{n}", ["--grpo", "--grpo-stable-interval", str(n), *FROZEN],
+CONTENDERS += [Contender(f"stable-every-{n}", [*T, "--grpo-stable-interval", str(n), *FROZEN],
                          f"stable updated every {n}") for n in (5, 50)]
-CONTENDERS += [Contender("delayed", ["--grpo", "--grpo-stable-mode", "delayed"],
+CONTENDERS += [Contender("delayed", [*T, "--grpo-stable-mode", "delayed"],
                          "delayed stable: gradients accumulate locally, synced every 10"),
-               Contender("int8", ["--grpo", "--grpo-compressor", "int8", *FROZEN], "int8 dynamic tier"),
-               Contender("topk", ["--grpo", "--grpo-compressor", "topk", *FROZEN], "top-k 5 % dynamic tier"),
-               Contender("core-5-delayed", ["--grpo", *_core(0.05), "--grpo-stable-mode", "delayed"],
+               Contender("int8", [*T, "--grpo-compressor", "int8", *FROZEN], "int8 dynamic tier"),
+               Contender("topk", [*T, "--grpo-compressor", "topk", *FROZEN], "top-k 5 % dynamic tier"),
+               Contender("core-5-delayed", [*T, *_core(0.05), "--grpo-stable-mode", "delayed"],
                          "core share 0.05 and delayed stable"),
-               Contender("no-core", ["--grpo", *_NO_CORE, *FROZEN], "no exact core: 80 % int4, the 20 % "
+               Contender("no-core", [*T, *_NO_CORE, *FROZEN], "no exact core: 80 % int4, the 20 % "
                          "least important frozen-stable"),
-               Contender("no-core-delayed", ["--grpo", *_NO_CORE, "--grpo-stable-mode", "delayed"],
+               Contender("no-core-delayed", [*T, *_NO_CORE, "--grpo-stable-mode", "delayed"],
                          "no exact core: 80 % int4, the 20 % least important delayed-stable"),
-               Contender("powersgd", ["--grpo", "--grpo-compressor", "powersgd", *FROZEN],
+               Contender("powersgd", [*T, "--grpo-compressor", "powersgd", *FROZEN],
                          "PowerSGD rank-4 dynamic tier (the comm suite's peer)"),
                Contender("all-int4", ["--grpo", *ALL_DYNAMIC, *FROZEN],
                          "no tiers: every unit int4 with error feedback (the comm suite's peer)"),
-               Contender("core-int8", ["--grpo", "--grpo-core-compressor", "int8"],
+               Contender("core-int8", [*T, "--grpo-core-compressor", "int8"],
                          "core int8 with error feedback, dynamic int4, stable delayed"),
-               Contender("core-30-int8", ["--grpo", "--grpo-core-compressor", "int8",
+               Contender("core-30-int8", [*T, "--grpo-core-compressor", "int8",
                                           "--grpo-core-share", "0.3", "--grpo-dynamic-share", "0.5"],
                          "core share 0.3 int8, dynamic 0.5 int4, stable 0.2 delayed"),
+               # The defaults since issue 9 (named in full, so the command stays what it ran).
                Contender("core-int8-no-stable", ["--grpo", "--grpo-core-compressor", "int8",
                                                  "--grpo-dynamic-share", "0.85", "--grpo-stable-share", "0",
                                                  "--grpo-max-dynamic-share", "0.85"],
-                         "core 0.15 int8, dynamic 0.85 int4, no stable tier")]
+                         "core 0.15 int8, dynamic 0.85 int4, no stable tier (the defaults)"),
+               Contender("core-10-int8-no-stable", ["--grpo", "--grpo-core-compressor", "int8",
+                                                    "--grpo-core-share", "0.1", "--grpo-dynamic-share", "0.9",
+                                                    "--grpo-stable-share", "0", "--grpo-max-dynamic-share", "0.9"],
+                         "core 0.10 int8, dynamic 0.90 int4, no stable tier")]
 
 
 def _at_most(value, limit: float) -> bool:

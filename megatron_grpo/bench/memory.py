@@ -15,6 +15,7 @@ import os
 
 from megatron_grpo.bench import figures as F
 from megatron_grpo.bench import plots
+from megatron_grpo.bench.comm import THREE_TIERS
 from megatron_grpo.bench.runner import CONFIGS, REPO, Contender
 from megatron_grpo.bench.sidebyside import plot_path, run_all
 from megatron_grpo.bench.suite import SuiteResult
@@ -40,9 +41,11 @@ def contenders(out: str):
     cuda = _cuda()
     return [
         Contender("baseline", [], "megatron-core, all state on the training device"),
-        Contender("grpo", ["--grpo"], "GRPO defaults (adds error-feedback residuals of the "
-                  "dynamic tier, fp32 masters of its own and the delayed stable accumulators)"),
-        Contender("grpo-ssd", ["--grpo", "--grpo-offload", "ssd", "--grpo-offload-dir", offload_dir(out)],
+        Contender("grpo", ["--grpo", *THREE_TIERS], "GRPO, 15/65/20 tiers, exact core (adds "
+                  "error-feedback residuals of the dynamic tier, fp32 masters of its own and the "
+                  "delayed stable accumulators)"),
+        Contender("grpo-ssd", ["--grpo", *THREE_TIERS, "--grpo-offload", "ssd", "--grpo-offload-dir",
+                               offload_dir(out)],
                   "GRPO with the memory tier: the stable tier's Adam moments and masters on SSD "
                   "between its updates, prefetched a step ahead"),
         Contender("megatron-cpu-offload", ["--optimizer-cpu-offload"],

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from megatron_grpo.bench import figures as F
 from megatron_grpo.bench import plots
+from megatron_grpo.bench.comm import FORMER_FROZEN
 from megatron_grpo.bench.runner import CONFIGS, Contender
 from megatron_grpo.bench.sidebyside import run_grid
 from megatron_grpo.bench.suite import SuiteResult
@@ -21,7 +22,8 @@ BYTES_GOAL = 0.15
 
 CONTENDERS = [
     Contender("baseline", [], "megatron-core DDP + distributed optimizer, exact"),
-    Contender("grpo", ["--grpo"], "GRPO defaults: 15/65/20 tiers, int4 dynamic, frozen stable"),
+    Contender("grpo", ["--grpo", *FORMER_FROZEN], "GRPO, former defaults: 15/65/20 tiers, exact "
+              "core, int4 dynamic, frozen stable"),
 ]
 
 

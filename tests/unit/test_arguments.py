@@ -81,7 +81,7 @@ def test_shipped_configs_parse():
     (["--grpo-topk-ratio", "0"], "--grpo-topk-ratio must be in (0, 1], got 0.0"),
     (["--grpo-remediation-promote", "0"], "--grpo-remediation-promote must be in (0, 1], got 0.0"),
     (["--grpo-max-dynamic-share", "1.5"], "--grpo-max-dynamic-share must be in [0, 1], got 1.5"),
-    (["--grpo-max-dynamic-share", "0.5"], "--grpo-dynamic-share (0.65) exceeds --grpo-max-dynamic-share (0.5)"),
+    (["--grpo-max-dynamic-share", "0.5"], "--grpo-dynamic-share (0.85) exceeds --grpo-max-dynamic-share (0.5)"),
 ])
 def test_bad_flags_name_the_flag(argv, message):
     with pytest.raises(ConfigError) as err:

@@ -159,8 +159,10 @@ def test_only_trains_the_named_contenders_under_the_suite_run_names(tmp_path, mo
                         ran.append((self.suite, name, c.flags, list(extra))))
     monkeypatch.setattr(cli, "ensure_data", lambda path: None)
     assert cli.main(["quality", "--out", str(tmp_path), "--seeds", "7", "8", "--only", "grpo"]) == 0
-    assert ran == [("quality", "grpo-s7", ["--grpo"], ["--seed", "7"]),
-                   ("quality", "grpo-s8", ["--grpo"], ["--seed", "8"])]
+    from megatron_grpo.bench.comm import FORMER_FROZEN
+
+    assert ran == [("quality", "grpo-s7", ["--grpo", *FORMER_FROZEN], ["--seed", "7"]),
+                   ("quality", "grpo-s8", ["--grpo", *FORMER_FROZEN], ["--seed", "8"])]
     assert cli.main(["comm", "--out", str(tmp_path), "--only", "nope"]) == 1
     assert cli.main(["all", "--out", str(tmp_path), "--only", "grpo"]) == 2
 

@@ -45,8 +45,9 @@ def test_the_flag_names_its_choices():
 def test_planner_core_bytes_and_residuals():
     m = ModelSpec(num_layers=32, hidden=4096, heads=32, ffn_hidden=14336, flash_attention=True)
     c = ClusterSpec(nodes=2, gpus_per_node=8, tp=2)
-    exact = plan(m, c, GRPOConfig(enabled=True))
-    core8 = plan(m, c, GRPOConfig(enabled=True, core_compressor="int8"))
+    tiers = dict(dynamic_share=0.65, stable_share=0.2, max_dynamic_share=0.7)
+    exact = plan(m, c, GRPOConfig(enabled=True, core_compressor="none", **tiers))
+    core8 = plan(m, c, GRPOConfig(enabled=True, core_compressor="int8", **tiers))
     # bf16 exact sync sends 4 + 2 bytes per element; int8 sends 2 x (1 + 4/256).
     assert core8.grpo_traffic.core == pytest.approx(exact.grpo_traffic.core * 2 * (1 + 4 / 256) / 6, rel=1e-3)
     assert core8.grpo_traffic.dynamic == exact.grpo_traffic.dynamic

@@ -18,8 +18,11 @@ from megatron_grpo.planner import (ClusterSpec, ModelSpec, format_plan, format_t
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # tests/harness.py SMALL_MODEL + GRPO_SMALL, as run on 2 gloo ranks in the measured tests.
 SMALL = dict(num_layers=2, hidden=96, heads=4, vocab=258, seq_length=64, micro_batch_size=2)
+# The three tiers and exact core that GRPO_SMALL pins (the defaults before issue 9's front).
+THREE_TIERS = dict(core_share=0.15, dynamic_share=0.65, stable_share=0.2, max_dynamic_share=0.7,
+                   core_compressor="none")
 SMALL_GRPO = GRPOConfig(enabled=True, bucket_mb=0.04, warmup_iters=6, retier_interval=8,
-                        stable_interval=4, gvr_interval=4)
+                        stable_interval=4, gvr_interval=4, **THREE_TIERS)
 TWO_RANKS = ClusterSpec(nodes=1, gpus_per_node=2)
 
 
@@ -102,7 +105,7 @@ def test_memory_components():
     bf16 = plan(ModelSpec(**SMALL), TWO_RANKS, SMALL_GRPO, bucket_size=20000)
     assert bf16.baseline_memory.params == 2 * 304384
     assert bf16.baseline_memory.master_params == 4 * unpadded // 2
-    delayed = GRPOConfig(enabled=True, bucket_mb=0.04, stable_mode="delayed")
+    delayed = GRPOConfig(enabled=True, bucket_mb=0.04, stable_mode="delayed", **THREE_TIERS)
     d = plan(ModelSpec(**SMALL), TWO_RANKS, delayed, bucket_size=20000).grpo_memory
     assert d.delayed_accumulators == round(0.2 * 4 * sum(bf16.units))
     one = plan(ModelSpec(**SMALL), ClusterSpec(nodes=1, gpus_per_node=1), delayed)
@@ -125,7 +128,7 @@ def test_pipeline_stages_after_the_first_use_one_baseline_bucket():
 def test_quota_ratio_and_wire_time_at_scale():
     m = ModelSpec(num_layers=32, hidden=4096, heads=32, ffn_hidden=14336, flash_attention=True)
     c = ClusterSpec(nodes=2, gpus_per_node=8, tp=2)
-    p = plan(m, c, GRPOConfig(enabled=True, stable_interval=20))
+    p = plan(m, c, GRPOConfig(enabled=True, stable_interval=20, **THREE_TIERS))
     # bf16 exact sync: 4 + 2 bytes per element; int4: 2 x (4/256 + 1/2) bytes per element.
     expected = 0.15 + 0.65 * 2 * (4 / 256 + 0.5) / 6 + 0.20 / 20
     assert p.ratio == pytest.approx(expected, abs=2e-3)

@@ -207,7 +207,8 @@ def test_plan_errors_name_the_argument():
 def test_from_config_and_tensor_inputs():
     p = TierPlanner.from_config(GRPOConfig())
     assert (p.core_share, p.dynamic_share, p.stable_share, p.hysteresis, p.max_dynamic_share) == (
-        0.15, 0.65, 0.20, 0.1, 0.70)
+        0.15, 0.85, 0.0, 0.1, 0.85)
+    p = TierPlanner.from_config(GRPOConfig(dynamic_share=0.65, stable_share=0.2, max_dynamic_share=0.7))
     density = torch.arange(20, 0, -1, dtype=torch.float64)
     plan = p.plan(density, torch.full((20,), 100))
     assert members(plan, "core") == [0, 1, 2]
