@@ -1,7 +1,7 @@
 """--grpo-core-compressor int8: the core tier compressed with error feedback of its own, on 2-4
 gloo ranks and real text. What holds for the dynamic tier must hold for core too (every copy the
 same bytes, counted bytes = analytic, residuals kept and resumed), with TP and PP too. Which
-units are compressed (not the warm-up, not a unit pinned to core) is tests/unit/test_core_compressor.py."""
+units are compressed (not the warm-up, not a unit pinned to core) is tests/unit/test_core_compressor_choice.py."""
 
 from collections import defaultdict
 
