@@ -7,8 +7,8 @@ Thin overrides of ``megatron.core.distributed.param_and_grad_buffer._ParamAndGra
   bucket-ready path, during backward; on a side CUDA stream on GPU). Then by tier: an exact
   core (the warm-up, or --grpo-core-compressor none) and a stable unit on its update step call
   megatron's own method (bit-identical to the baseline); dynamic, and core with its int8
-  default, send a compressed reduce-scatter with error feedback; a stable unit between updates sends nothing (delayed mode accumulates the gradient
-  locally).
+  default, send a compressed reduce-scatter with error feedback; a stable unit between
+  updates sends nothing (delayed mode accumulates the gradient locally).
 * ``finish_grad_sync``: waits on whichever handle the tier produced, timing the wait (RU).
 * ``start_param_sync``: exact core/stable-update use megatron's all-gather; compressed units
   send the owners' quantised parameter deltas; a stable unit between updates has nothing new
