@@ -41,7 +41,7 @@ from megatron_grpo.comm.error_feedback import ErrorFeedback
 from megatron_grpo.comm.replicated import ReplicatedElements
 from megatron_grpo.comm.wire import wire_counter
 from megatron_grpo.config import GRPOConfig
-from megatron_grpo.health import HealthSums, health_figures
+from megatron_grpo.health import HealthSums, HealthWatch
 from megatron_grpo.importance import ImportanceTracker
 from megatron_grpo.replica import ReplicaLayout
 from megatron_grpo.tiers import GVRMonitor, TierPlan, TierPlanner, describe_moves, policy_density
@@ -170,7 +170,8 @@ class GRPOController:
                                             config.importance_decay, self.device,
                                             score=config.importance_score)
         self.planner = TierPlanner.from_config(config)
-        self.monitor = GVRMonitor.from_config(config)
+        self.health = HealthWatch(lambda: GVRMonitor.from_config(config), config.max_compression_error)
+        self.core_exact = False  # set by remediation: a compressed core that stayed bad
         # PowerSGD (a peer, for the evidence suite) compresses gradients only: the parameter
         # deltas of its buckets go through the int4 quantiser.
         self.powersgd = (PowerSGDState(config.powersgd_rank, seed=1)
@@ -205,7 +206,6 @@ class GRPOController:
         self.retier_pending = False
         self.events: List[Dict] = []
         self._new_events: List[Dict] = []
-        self.last_health: Optional[Dict] = None
         self.remediations = 0
 
     # ------------------------------------------------------------------ streams and timers
@@ -241,10 +241,11 @@ class GRPOController:
             k=k,
             stable_update=(not never and k % c.stable_interval == 0) or not self.tiered,
             measure_importance=(k % c.importance_interval == 0),
-            measure_health=self.tiered and (k % c.gvr_interval == 0) and "dynamic" in self.replica_tiers,
+            measure_health=self.tiered and (k % c.gvr_interval == 0) and bool(self._watched_tiers()),
         )
         self.step_skipped = False
         self._health = HealthSums(len(self.units), self.device) if self.step.measure_health else None
+        self.health.new_step()
         self.importance_timer.reset()
         self.wait_timer_.reset()
         self._apply_freezing()
@@ -320,10 +321,21 @@ class GRPOController:
         tier = self.tiers[index]
         if tier == "dynamic":
             return self.compressor
-        if tier == "core" and self.tiered and self.core_compressor is not None \
-                and not self.units[index].pinned:
+        if tier == "core" and self._core_compressed() and not self.units[index].pinned:
             return self.core_compressor
         return None
+
+    def _core_compressed(self) -> bool:
+        return self.tiered and self.core_compressor is not None and not self.core_exact
+
+    def _watched_tiers(self) -> List[str]:
+        """Tiers of the replica that go through error-feedback compression (the same on every
+        rank: replica tiers and flags agreed by all), hence what a monitoring step measures."""
+        out = ["dynamic"] if "dynamic" in self.replica_tiers else []
+        if self._core_compressed() and any(t == "core" and not pinned for t, pinned
+                                           in zip(self.replica_tiers, self.replica_pinned)):
+            out.append("core")
+        return out
 
     def tier_of_bucket(self, bucket) -> str:
         return self.tiers[self.unit_of_bucket[id(bucket)]]
@@ -443,35 +455,51 @@ class GRPOController:
                                     [p.detach() for p in unit.params])
 
     def health_stats(self, index: int):
-        """A callback for the dynamic reduce-scatter on monitoring steps: (applied, owed)."""
+        """A callback for a compressed reduce-scatter (dynamic, or compressed core) on
+        monitoring steps: (applied, owed)."""
         if self._health is None:
             return None
         return lambda applied, owed: self._health.add(index, applied, owed)
 
     def _finish_health(self) -> None:
-        """Figures of the dynamic tier over the whole replica (megatron_grpo.health); then
-        remediation when the relative compression error stays above the limit."""
+        """Figures of each compressed tier over the whole replica (megatron_grpo.health); then
+        remediation when a tier's relative compression error stays above the limit: the dynamic
+        units with the worst error move to core; a compressed core goes exact."""
         with self.counter.tag("grpo_control"):
             sums = self.layout.sum_over_replica(self._health.values)
         self._health = None
-        dynamic = [i for i, t in enumerate(self.replica_tiers) if t == "dynamic"]
-        figures = health_figures(sums, dynamic)
-        if figures is None:
-            return
-        self.last_health = figures
         limit = self.config.max_compression_error
-        healthy = figures["rel_error"] <= limit  # False for NaN
-        if self.monitor.check(healthy):
+        why = (f"above --grpo-max-compression-error {limit} for {self.config.gvr_window} checks")
+        units = {t: [i for i, (x, pinned) in enumerate(zip(self.replica_tiers, self.replica_pinned))
+                     if x == t and not (t == "core" and pinned)] for t in self._watched_tiers()}
+        bad = self.health.judge(sums, units)
+        if "core" in bad:
+            self._core_to_exact(self.step.k + 1, f"remediation: core relative compression error "
+                                f"{bad['core']['rel_error']:.3f} {why}: core synced exactly from here on")
+        if "dynamic" in bad:
+            figures, dynamic = bad["dynamic"], units["dynamic"]
             errors = [figures["unit_rel_error"].get(i, math.nan) for i in dynamic]
-            worst = self.monitor.select_worst(dynamic, errors)
+            worst = self.health.monitors["dynamic"].select_worst(dynamic, errors)
             plan = self.planner.promote(self.replica_tiers, worst,
                                         f"remediation: dynamic relative compression error "
-                                        f"{figures['rel_error']:.3f} above "
-                                        f"--grpo-max-compression-error {limit} for "
-                                        f"{self.config.gvr_window} checks",
-                                        numels=self.replica_numels)
+                                        f"{figures['rel_error']:.3f} {why}", numels=self.replica_numels)
             self.remediations += 1
             self._apply_plan(self.step.k + 1, plan)
+
+    def _core_to_exact(self, k: int, reason: str) -> None:
+        """From iteration ``k`` core syncs exactly (megatron's own), for the rest of the run.
+        What error feedback still owes each core bucket goes with its next (exact) sync."""
+        self.core_exact = True
+        self.remediations += 1
+        for key in list(self.ef.keys()):
+            if self.tiers[key[0]] == "core":
+                self.carry[key] = self.ef.residual(key).clone()
+                self.ef.drop(key)
+        event = {"iteration": k, "reason": reason, "moved": 0, "shares": self.shares(), "moves": []}
+        self.events.append(event)
+        self._new_events.append(event)
+        if dist.get_rank() == 0:
+            print(f"[grpo] iter {k}: {reason}", flush=True)
 
     # ------------------------------------------------------------------ reporting
     def shares(self) -> Dict[str, float]:
@@ -494,12 +522,16 @@ class GRPOController:
         out["grpo_tiered"] = self.tiered
         out["grpo_ef_bytes"] = self.ef.nbytes()
         out["grpo_skipped_steps"] = self.skipped_steps
-        if self.step.measure_health and self.last_health is not None and not self.step_skipped:
-            h = self.last_health
-            out["grpo_gvr_dynamic"] = h["gvr"]
-            out["grpo_rel_error_dynamic"] = h["rel_error"]
-            out["grpo_cosine_dynamic"] = h["cosine"]
-            out["grpo_gvr_in_range"] = self.config.gvr_min <= h["gvr"] <= self.config.gvr_max
+        if not self.step_skipped:
+            for tier in sorted(self.health.measured):
+                h = self.health.last[tier]
+                out[f"grpo_gvr_{tier}"] = h["gvr"]
+                out[f"grpo_rel_error_{tier}"] = h["rel_error"]
+                out[f"grpo_cosine_{tier}"] = h["cosine"]
+            if "dynamic" in self.health.measured:
+                h = self.health.last["dynamic"]
+                out["grpo_gvr_in_range"] = self.config.gvr_min <= h["gvr"] <= self.config.gvr_max
+        out["grpo_core_exact"] = self.core_exact
         if self._new_events:
             out["grpo_retier"] = self._new_events
         out["grpo_tier_map"] = "".join(t[0] for t in self.tiers)
@@ -510,8 +542,8 @@ class GRPOController:
         """Identical on every rank of the job (the replica's plan): stored once (rank 0)."""
         return {"tiers": list(self.replica_tiers), "tiered": self.tiered,
                 "retier_pending": self.retier_pending, "events": self.events,
-                "remediations": self.remediations, "monitor": dict(vars(self.monitor)),
-                "last_health": self.last_health, "skipped_steps": self.skipped_steps}
+                "remediations": self.remediations, "skipped_steps": self.skipped_steps,
+                "core_exact": self.core_exact, **self.health.state_dict()}
 
     def rank_state(self) -> Dict:
         """Differs per rank: residuals, local importance, delayed accumulators, carries."""
@@ -533,9 +565,9 @@ class GRPOController:
         self.retier_pending = state["retier_pending"]
         self.events = list(state["events"])
         self.remediations = state["remediations"]
-        vars(self.monitor).update(state["monitor"])
-        self.last_health = state.get("last_health")
+        self.health.load_state_dict(state)
         self.skipped_steps = state.get("skipped_steps", 0)
+        self.core_exact = state.get("core_exact", False)  # absent before the core monitor
 
     def load_rank_state(self, state: Dict) -> None:
         if not state:

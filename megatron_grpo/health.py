@@ -1,6 +1,7 @@
-"""Compression health of the dynamic tier: what a sampled step measures and how it is judged.
+"""Compression health of the compressed tiers: what a sampled step measures and how it is judged.
 
-On a monitoring step every dynamic bucket reports, before sending, what this rank delivers
+On a monitoring step every compressed bucket (dynamic, and core with --grpo-core-compressor)
+reports, before sending, what this rank delivers
 (a = D(q)) and what it owed (c = g + r: this step's gradient plus the error-feedback residual).
 Per unit, sums are kept in float64 over all elements: sum a, sum a^2, sum c, sum c^2, sum a*c,
 count. They are summed over every rank of the job (all data-parallel and model-parallel
@@ -19,8 +20,10 @@ megatron_grpo.replica), so every rank derives the same figures:
   delivers them later). This is what remediation watches (``--grpo-max-compression-error``).
 * ``cosine``: a.c / (||a|| ||c||), direction agreement; -1 for a sign flip.
 
-All figures are pooled over the dynamic tier; ``rel_error`` is also kept per unit to pick the
-units to promote.
+All figures are pooled per tier; ``rel_error`` is also kept per unit to pick the dynamic units
+to promote. ``HealthWatch`` judges each tier with a monitor of its own: a dynamic tier that
+stays bad has its worst units promoted to core; a compressed core that stays bad goes exact
+(promoting to it would not help).
 """
 
 from __future__ import annotations
@@ -81,3 +84,51 @@ def health_figures(global_sums: torch.Tensor, dynamic_units: List[int]) -> Optio
         return None
     out["unit_rel_error"] = per_unit
     return out
+
+
+class HealthWatch:
+    """Per-tier verdicts of the monitoring steps, identical on every rank (the sums are).
+
+    ``monitors`` hold the consecutive-bad counts (megatron_grpo.tiers.GVRMonitor: the window and
+    the share to promote), ``last`` each tier's figures at its last check, ``measured`` the
+    tiers checked on the current step (reset by ``new_step``)."""
+
+    TIERS = ("dynamic", "core")
+
+    def __init__(self, monitor_factory, limit: float) -> None:
+        self.monitors = {t: monitor_factory() for t in self.TIERS}
+        self.limit = float(limit)
+        self.last: Dict[str, Dict] = {}
+        self.measured: set = set()
+
+    def new_step(self) -> None:
+        self.measured = set()
+
+    def judge(self, global_sums: torch.Tensor, units: Dict[str, List[int]]) -> Dict[str, Dict]:
+        """``units``: tier -> the replica units it pools. Returns the tiers whose monitor
+        triggered on this check, each with its figures (the relative error above the limit for
+        the window's number of checks in a row; NaN counts as bad)."""
+        triggered = {}
+        for tier in self.TIERS:
+            if tier not in units:
+                continue
+            figures = health_figures(global_sums, units[tier])
+            if figures is None:
+                continue
+            self.last[tier] = figures
+            self.measured.add(tier)
+            if self.monitors[tier].check(figures["rel_error"] <= self.limit):  # False for NaN
+                triggered[tier] = figures
+        return triggered
+
+    def state_dict(self) -> Dict:
+        # Keys of the checkpoints written before the core monitor existed, kept for dynamic.
+        return {"monitor": dict(vars(self.monitors["dynamic"])), "last_health": self.last.get("dynamic"),
+                "core_monitor": dict(vars(self.monitors["core"])),
+                "last_core_health": self.last.get("core")}
+
+    def load_state_dict(self, state: Dict) -> None:
+        vars(self.monitors["dynamic"]).update(state["monitor"])
+        vars(self.monitors["core"]).update(state.get("core_monitor", {}))
+        self.last = {t: state.get(k) for t, k in (("dynamic", "last_health"), ("core", "last_core_health"))
+                     if state.get(k) is not None}

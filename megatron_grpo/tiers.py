@@ -319,7 +319,8 @@ def relative_error(applied: torch.Tensor, exact: torch.Tensor) -> float:
 
 
 class GVRMonitor:
-    """Decides when the dynamic tier needs remediation and which buckets to promote."""
+    """Counts bad health checks of one compressed tier in a row and picks the dynamic buckets to
+    promote (megatron_grpo.health.HealthWatch keeps one per tier)."""
 
     def __init__(self, gvr_min: float, gvr_max: float, window: int, promote_share: float) -> None:
         if not 0.0 < float(gvr_min) < float(gvr_max):

@@ -90,6 +90,13 @@ def run_probe(tmp_path, nproc: int, args: Sequence[str], timeout: int = 300) -> 
         return json.load(fh)
 
 
+def probe_with_metrics(tmp_path, nproc: int, args: Sequence[str], timeout: int = 300):
+    """run_probe with a metrics file in ``tmp_path``: (probe JSON, the run's metric records)."""
+    metrics = os.path.join(str(tmp_path), "m.jsonl")
+    probe = run_probe(tmp_path, nproc, [*args, "--metrics-file", metrics], timeout=timeout)
+    return probe, read_metrics(metrics)
+
+
 def _run_rank(worker, rank, port, queue):
     """One spawned rank: ``worker`` and then an immediate exit once its results are flushed.
 

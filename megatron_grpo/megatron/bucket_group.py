@@ -123,7 +123,7 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
         self._add_pending(scale_first=True)
         rank = self._group.rank()
         async_op = self.ddp_config.overlap_grad_reduce
-        stats = ctrl.health_stats(self.grpo_unit) if tier == "dynamic" else None
+        stats = ctrl.health_stats(self.grpo_unit)
         handles = []
         with ctrl.counter.tag(tier):
             for i, b in enumerate(self.buckets):
@@ -226,6 +226,15 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
 
 def install(ddp_chunks: list, controller) -> None:
     """Turn every bucket group of the DDP chunks into a GRPOBucketGroup bound to ``controller``."""
+    for chunk in ddp_chunks:
+        if getattr(chunk.ddp_config, "overlap_param_gather", False):
+            # The compressed parameter gather sends what this step's optimizer staged, and the
+            # controller drops the staging (and may re-tier) at the end of the step; megatron's
+            # overlapped gather would run in the next forward, after both.
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            raise ValueError(f"rank {rank}: GRPO does not support "
+                             f"overlap_param_gather (DistributedDataParallelConfig, "
+                             f"--overlap-param-gather) yet: build the DDP model without it")
     for unit in controller.units:
         group = unit.group
         group.__class__ = GRPOBucketGroup

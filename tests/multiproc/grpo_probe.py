@@ -28,17 +28,15 @@ def digest(tensors) -> str:
     return h.hexdigest()[:16]
 
 
-def _signflip_class():
-    from megatron_grpo.comm.compress import Int4Compressor
-
-    class SignFlipInt4(Int4Compressor):
+def _signflip_class(base):
+    class SignFlip(base):
         """Decodes every value with the wrong sign: not contractive (||D(q) - c|| = 2 ||c||), the
         kind of broken compressor remediation exists for. GVR cannot see it (same variance)."""
 
         def _decode_rows(self, payload2d, numel, out2d):
             return super()._decode_rows(payload2d, numel, out2d).neg_()
 
-    return SignFlipInt4
+    return SignFlip
 
 
 def install_strict_devices(old_bug: bool) -> None:
@@ -114,7 +112,13 @@ def install_fake_streams(ctrl, log):
 
 
 def SignFlipInt4(chunk):
-    return _signflip_class()(chunk)
+    from megatron_grpo.comm.compress import Int4Compressor
+    return _signflip_class(Int4Compressor)(chunk)
+
+
+def SignFlipInt8(chunk):
+    from megatron_grpo.comm.compress import Int8Compressor
+    return _signflip_class(Int8Compressor)(chunk)
 
 
 def main():
@@ -126,7 +130,8 @@ def main():
 
     out_path, argv = sys.argv[1], sys.argv[2:]
     damaging = "--probe-signflip-compressor" in argv  # a compressor that must be caught
-    argv = [a for a in argv if a != "--probe-signflip-compressor"]
+    damaging_core = "--probe-signflip-core-compressor" in argv  # the same, for the core tier
+    argv = [a for a in argv if a not in ("--probe-signflip-compressor", "--probe-signflip-core-compressor")]
     strict = "--probe-strict-devices" in argv  # tensors made without device= become meta
     old_bug = "--probe-old-gvr-bug" in argv    # the earlier GVR vector: a host tensor
     argv = [a for a in argv if a not in ("--probe-strict-devices", "--probe-old-gvr-bug")]
@@ -152,6 +157,8 @@ def main():
         probe["ctrl"] = next(iter(grpo_optimizers(built.optimizer))).grpo
         if damaging:
             probe["ctrl"].compressor = SignFlipInt4(probe["ctrl"].config.compress_chunk)
+        if damaging_core:
+            probe["ctrl"].core_compressor = SignFlipInt8(probe["ctrl"].config.compress_chunk)
         if fake_streams:
             install_fake_streams(probe["ctrl"], probe.setdefault("stream_log", []))
 
@@ -198,7 +205,7 @@ def main():
                 params_same=digest(ctrl.units[i].params) == probe["before"][i][0],
                 moments_same=digest(optimizer_moments(ctrl, i)) == probe["before"][i][1],
                 grad_buffer_zero=grads_zero, requires_grad=probe["requires_grad"][i])
-        tiers = list(ctrl.tiers)
+        tiers, core_exact = list(ctrl.tiers), ctrl.core_exact  # as this step ran (end_step may change them)
         from megatron_grpo.comm.wire import wire_counter
 
         # The step's collectives so far (the loop resets the counter after this hook): every
@@ -216,9 +223,11 @@ def main():
             if tier == "stable" and not ctrl.step.stable_update:
                 continue
             # Core is compressed with --grpo-core-compressor after the exact warm-up, except a
-            # unit pinned to core (copies on two pipeline stages); dp 1 sends nothing either way.
+            # unit pinned to core (copies on two pipeline stages) or once remediation sent core
+            # exact; dp 1 sends nothing either way.
             unit_comp = comp if tier == "dynamic" else (
-                ctrl.core_compressor if tier == "core" and ctrl.tiered and not unit.pinned else None)
+                ctrl.core_compressor if tier == "core" and ctrl.tiered and not unit.pinned
+                and not core_exact else None)
             for b in unit.group.buckets:
                 n = b.grad_data.numel()
                 if unit_comp is not None:

@@ -7,19 +7,16 @@ from collections import defaultdict
 
 import pytest
 
-from harness import GRPO_SMALL, SMALL_MODEL, losses, read_metrics, run_probe, train_and_read
+from harness import GRPO_SMALL, SMALL_MODEL, losses, probe_with_metrics, read_metrics, run_probe, train_and_read
 
 CORE8 = ["--grpo-core-compressor", "int8"]
 
 
 @pytest.fixture(scope="module")
 def core8_probe(stdlib_data, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("core8")
-    metrics = tmp / "m.jsonl"
-    probe = run_probe(tmp, 2, [*SMALL_MODEL, *GRPO_SMALL, *CORE8, "--data-path", stdlib_data,
-                               "--train-iters", "20", "--eval-interval", "20",
-                               "--metrics-file", str(metrics)])
-    return probe, read_metrics(metrics)
+    return probe_with_metrics(tmp_path_factory.mktemp("core8"), 2,
+                              [*SMALL_MODEL, *GRPO_SMALL, *CORE8, "--data-path", stdlib_data,
+                               "--train-iters", "20", "--eval-interval", "20"])
 
 
 def test_copies_identical_and_core_bytes_int8(core8_probe):
@@ -59,6 +56,55 @@ def test_core_units_keep_error_feedback(core8_probe):
             if rec["iteration"] <= 8:
                 assert rec["ef_units"] == [], rec["iteration"]  # the exact warm-up keeps none
     assert core_residuals > 0
+
+
+def test_core_health_is_measured_and_healthy_int8_left_alone(core8_probe):
+    # The monitor watches the compressed core tier as it does dynamic: int8 holds back ~1 % of
+    # what was owed, far below the limit, so no remediation and core stays compressed.
+    _, metrics = core8_probe
+    checks = [m for m in metrics if "grpo_rel_error_core" in m]
+    assert [m["iteration"] for m in checks] == [12, 16, 20]
+    for m in checks:
+        assert 0.0 < m["grpo_rel_error_core"] < 0.05 and m["grpo_cosine_core"] > 0.99, m["iteration"]
+        assert "grpo_rel_error_dynamic" in m
+    assert not any(m["grpo_core_exact"] for m in metrics)
+    assert [e["iteration"] for m in metrics for e in m.get("grpo_retier", [])] == [9, 17]  # tiering, re-tier
+
+
+def test_broken_core_compressor_is_caught_and_core_goes_exact(stdlib_data, tmp_path):
+    # A core compressor decoding every value with the wrong sign (int8 otherwise) reads a
+    # relative error ~2 and a cosine ~-1 at the checks of 12 and 16; the second bad check in a
+    # row sends core exact from iteration 17 on. The dynamic tier (plain int4) is left alone.
+    probe, m = probe_with_metrics(tmp_path, 2, [
+        *SMALL_MODEL, *GRPO_SMALL, *CORE8, "--data-path", stdlib_data, "--train-iters", "20",
+        "--eval-interval", "20", "--eval-iters", "0", "--grpo-gvr-window", "2",
+        "--grpo-retier-interval", "100", "--probe-signflip-core-compressor"])
+    checks = [r for r in m if "grpo_rel_error_core" in r]
+    assert [r["iteration"] for r in checks] == [12, 16]  # not at 20: core is exact by then
+    for r in checks:
+        assert 1.8 < r["grpo_rel_error_core"] < 2.2 and r["grpo_cosine_core"] < -0.95
+        assert r["grpo_rel_error_dynamic"] < 0.3  # int4, healthy
+    assert [r["iteration"] for r in m if "grpo_rel_error_dynamic" in r] == [12, 16, 20]
+    events = [e for r in m for e in r.get("grpo_retier", [])]
+    assert [e["iteration"] for e in events] == [9, 17]
+    assert events[1]["reason"].startswith("remediation: core relative compression error ")
+    assert events[1]["reason"].endswith("for 2 checks: core synced exactly from here on")
+    assert [r["grpo_core_exact"] for r in m] == [False] * 15 + [True] * 5
+    assert m[15]["grpo_tier_map"] == m[16]["grpo_tier_map"]  # nothing moved
+    r0, r1 = probe["ranks"]
+    for a, b, r in zip(r0, r1, m):
+        assert a["digest"] == b["digest"], a["iteration"]  # copies agree, before and after
+        for tier in ("core", "dynamic", "stable"):
+            assert r[f"wire_bytes_{tier}"] == a["expected"][tier], (a["iteration"], tier)
+    # From 17 core travels exactly (fp32 reduce-scatter + all-gather, as in the warm-up) and
+    # keeps no residual; its owed residuals went with that first exact sync.
+    share = m[16]["grpo_share_core"]
+    assert m[16]["wire_bytes_core"] == pytest.approx(share * m[0]["wire_bytes_core"], rel=1e-6)
+    for rank in probe["ranks"]:
+        for rec in rank[16:]:
+            assert all(rec["tiers_after"][u] == "dynamic" for u in rec["ef_units"]), rec["iteration"]
+            assert all(rec["tiers_after"][u] == "stable" for u in rec["carry_units"]), rec["iteration"]
+        assert any(rec["tiers_after"][u] == "core" for rec in rank[9:15] for u in rec["ef_units"])
 
 
 def test_resume_with_core_residuals_is_bit_identical(stdlib_data, tmp_path):

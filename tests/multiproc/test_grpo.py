@@ -5,17 +5,14 @@ from collections import defaultdict
 
 import pytest
 
-from harness import GRPO_SMALL, SMALL_MODEL, losses, read_metrics, run_probe, train_and_read
+from harness import GRPO_SMALL, SMALL_MODEL, losses, probe_with_metrics, read_metrics, run_probe, train_and_read
 
 
 @pytest.fixture(scope="module")
 def dp2_probe(stdlib_data, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("grpo_dp2")
-    metrics = tmp / "m.jsonl"
-    probe = run_probe(tmp, 2, [*SMALL_MODEL, *GRPO_SMALL, "--data-path", stdlib_data,
-                               "--train-iters", "20", "--eval-interval", "20",
-                               "--metrics-file", str(metrics)])
-    return probe, read_metrics(metrics)
+    return probe_with_metrics(tmp_path_factory.mktemp("grpo_dp2"), 2,
+                              [*SMALL_MODEL, *GRPO_SMALL, "--data-path", stdlib_data,
+                               "--train-iters", "20", "--eval-interval", "20"])
 
 
 def test_ranks_agree_on_tiers_and_parameters_bit_for_bit(dp2_probe):

@@ -12,11 +12,13 @@ from megatron_grpo.controller import GRPOController
 from megatron_grpo.planner import ClusterSpec, ModelSpec, plan
 
 
-def _ctrl(tiers, dp=2, tiered=True, core="int8", pinned=()):
+def _ctrl(tiers, dp=2, tiered=True, core="int8", pinned=(), core_exact=False):
     units = [SimpleNamespace(pinned="core" if i in pinned else None) for i in range(len(tiers))]
-    return SimpleNamespace(dp_size=dp, tiers=list(tiers), tiered=tiered, units=units,
-                           compressor=Int4Compressor(256),
+    ctrl = SimpleNamespace(dp_size=dp, tiers=list(tiers), tiered=tiered, units=units,
+                           compressor=Int4Compressor(256), core_exact=core_exact,
                            core_compressor=Int8Compressor(256) if core else None)
+    ctrl._core_compressed = lambda: GRPOController._core_compressed(ctrl)
+    return ctrl
 
 
 def _decisions(ctrl):
@@ -34,6 +36,8 @@ def test_each_unit_gets_its_tiers_compressor():
     assert _decisions(_ctrl(tiers, pinned=(3,))) == ["Int8Compressor", "Int4Compressor", "NoneType", "NoneType"]
     # One data-parallel rank has nothing to send: nothing is compressed.
     assert _decisions(_ctrl(tiers, dp=1)) == ["NoneType"] * 4
+    # Once remediation found the compressed core bad, core syncs exactly; dynamic is unchanged.
+    assert _decisions(_ctrl(tiers, core_exact=True)) == ["NoneType", "Int4Compressor", "NoneType", "NoneType"]
 
 
 def test_the_flag_names_its_choices():
