@@ -60,8 +60,9 @@ def spec_from_flags(train_argv: Sequence[str], nodes: int, gpus_per_node: int, g
                     nvlink_gbps: float = 3600.0):
     """(ModelSpec, ClusterSpec, GRPOConfig, ddp bucket size, OffloadConfig) from training
     flags/--config."""
-    from megatron_grpo.planner import ClusterSpec, ModelSpec
+    from megatron_grpo.planner import ClusterSpec
     from megatron_grpo.training.arguments import parse_args
+    from megatron_grpo.training.memory_budget import model_spec
 
     for flag, value in (("--nodes", nodes), ("--gpus-per-node", gpus_per_node)):
         if value <= 0:  # checked first: the training parser divides by the world size
@@ -69,14 +70,7 @@ def spec_from_flags(train_argv: Sequence[str], nodes: int, gpus_per_node: int, g
     # --data-path is required by the training parser but irrelevant to the plan.
     cfg = parse_args([*train_argv, "--data-path", "unused-by-the-planner"],
                      world_size=nodes * gpus_per_node)
-    m, t = cfg.model, cfg.training
-    model = ModelSpec(num_layers=m.num_layers, hidden=m.hidden_size, heads=m.num_attention_heads,
-                      ffn_hidden=m.ffn_hidden_size, vocab=vocab, seq_length=m.seq_length,
-                      micro_batch_size=t.micro_batch_size, bf16=t.bf16,
-                      max_position=m.max_position_embeddings,
-                      make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
-                      flash_attention=attention == "flash",
-                      dropout=m.hidden_dropout > 0 or m.attention_dropout > 0)
+    model = model_spec(cfg, vocab, attention)
     cluster = ClusterSpec(nodes=nodes, gpus_per_node=gpus_per_node, gpu_memory_gb=gpu_memory_gb,
                           link_gbps=link_gbps, tp=cfg.parallel.tensor_model_parallel_size,
                           pp=cfg.parallel.pipeline_model_parallel_size, nvlink_gbps=nvlink_gbps)

@@ -30,7 +30,8 @@ class OffloadConfig:
     chunks, moved by background threads (docs/offload.md)."""
 
     FLAG_PREFIX = "grpo-offload-"
-    FLAG_NAMES = {"target": "--grpo-offload", "offload_dir": "--grpo-offload-dir"}
+    FLAG_NAMES = {"target": "--grpo-offload", "offload_dir": "--grpo-offload-dir",
+                  "memory_budget_gb": "--grpo-memory-budget-gb"}
 
     target: str = "none"
     """Where GRPO's offloadable state lives between uses (with --grpo): none (device memory);
@@ -65,6 +66,13 @@ class OffloadConfig:
     """Bytes of the SSD file, allocated up front (rounded up to 4096); each chunk on SSD takes
     its length rounded up to 4096. 0 in a training run: the planned bytes (every offloadable
     state tensor of the rank at once), so a too-small disk fails before step 1."""
+    memory_budget_gb: float = 0.0
+    """Per-rank memory budget in GB (10**9 bytes): device memory on CUDA, the resident set on
+    CPU; 0 = off. With --grpo-offload cpu|ssd (where state may go), the training entry asks the
+    planner for the peak of each placement in tier order -- everything resident; the dynamic and
+    stable tiers' optimizer state streamed (--grpo-offload-stream); their error-feedback
+    residuals away too (--grpo-offload-residuals) -- and takes the first that fits, overriding
+    those two flags; none fitting is an error before step 1. Core state stays resident."""
     io_mode: str = "direct"
     """File I/O: direct (O_DIRECT, no page cache; falls back to buffered where the filesystem
     refuses it) or buffered (page cache, no fsync). The default is the faster one measured in
@@ -107,6 +115,12 @@ class OffloadConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 fail(name, "an integer >= 1", value)
+        if isinstance(self.memory_budget_gb, bool) or not isinstance(self.memory_budget_gb, (int, float)) \
+                or not self.memory_budget_gb >= 0:
+            fail("memory_budget_gb", "a number of GB >= 0 (0: no budget)", self.memory_budget_gb)
+        if planned and self.memory_budget_gb and self.target == "none":
+            fail("target", "cpu or ssd with --grpo-memory-budget-gb (where state may move)",
+                 self.target)
         if not _is_int(self.capacity) or self.capacity < 0:
             fail("capacity", "an integer number of bytes >= 0", self.capacity)
         if self.offload_dir is not None and self.capacity == 0 and not planned:

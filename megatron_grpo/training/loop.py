@@ -146,6 +146,23 @@ def run(cfg: PretrainConfig, hooks: Optional[RunHooks] = None) -> RunSummary:
             preemption.restore()
 
 
+def _apply_memory_budget(cfg: PretrainConfig, platform, vocab: int):
+    """--grpo-memory-budget-gb: settle the memory tier's placement before the model exists
+    (megatron_grpo.training.memory_budget); None without a budget."""
+    if not cfg.offload.memory_budget_gb:
+        return None
+    from megatron_grpo.training import memory_budget
+    from megatron_grpo.training.model import layer_spec
+
+    attention = "flash" if layer_spec(platform)[1] == "transformer_engine" else "unfused"
+    cfg.offload, budget = memory_budget.choose(cfg, vocab, attention, dist.get_world_size(),
+                                               memory_budget.current_base_bytes(platform),
+                                               rank=dist.get_rank())
+    if dist.get_rank() == 0:
+        print(f"[{cfg.logging.run_name}] {budget.describe()}", flush=True)
+    return budget
+
+
 def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption) -> RunSummary:
     t, lg = cfg.training, cfg.logging
     platform = select_platform(force_cpu=t.cpu, local_rank=int(os.environ.get("LOCAL_RANK", 0)))
@@ -170,6 +187,7 @@ def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption) -> RunSu
     mbs, gbs, seq = t.micro_batch_size, t.global_batch_size, cfg.model.seq_length
     num_mb, _ = microbatch_layout(gbs, mbs, dp_size)
 
+    budget = _apply_memory_budget(cfg, platform, tokenizer.vocab_size)
     built = build_model(cfg, platform, tokenizer.vocab_size, hooks.optimizer_factory,
                         ddp_class=hooks.ddp_class, bucket_size=hooks.bucket_size)
     hooks.after_build(built)
@@ -261,6 +279,8 @@ def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption) -> RunSu
             record["step_peak_device_bytes"] = device_peak
             record["peak_device_bytes"] = device_high
         record.update(hooks.step_metrics(iteration, wire, step_time))
+        if budget is not None:
+            record.update(budget.metrics())
         if weight_check.check_due(hash_interval, iteration):
             hashes = weight_check.check_weight_hashes(built.ddp_model)  # tagged "weight_check"
             counter.reset()  # its traffic is no step's traffic

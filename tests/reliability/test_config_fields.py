@@ -76,6 +76,7 @@ RANGE = {
     "offload.staging_buffers": ["--grpo-offload-staging-buffers", "0"],
     "offload.capacity": ["--grpo-offload-capacity", "-1"],
     "offload.io_mode": ["--grpo-offload-io-mode", "async"],
+    "offload.memory_budget_gb": ["--grpo", "--grpo-memory-budget-gb", "-1"],
 }
 # Once accepted by parse_args out of range: megatron or torch failed at build time with a raw
 # traceback or an unnamed error, or the run trained on (--lr-decay-iters 0, --ddp-bucket-size 0).

@@ -1,0 +1,68 @@
+"""--grpo-memory-budget-gb: the first placement in tier order whose planned peak fits."""
+
+import pytest
+
+from harness import GRPO_SMALL, SMALL_MODEL
+
+from megatron_grpo.planner import ClusterSpec, plan
+from megatron_grpo.training import memory_budget as mb
+from megatron_grpo.training.arguments import ConfigError, parse_args
+
+
+def _cfg(budget_gb, *extra):
+    return parse_args([*SMALL_MODEL, *GRPO_SMALL, "--data-path", "x", "--grpo-offload", "ssd",
+                       "--grpo-offload-dir", "/tmp", "--grpo-memory-budget-gb", str(budget_gb), *extra],
+                      world_size=2)
+
+
+def _peaks(base):
+    _, choice = mb.choose(_cfg(1000), 258, "unfused", 2, base)
+    return dict(choice.predicted)
+
+
+def test_each_level_is_the_planner_total_plus_what_is_held_before_the_model():
+    base = 300_000_000
+    peaks = _peaks(base)
+    assert list(peaks) == ["resident", "stream", "stream+residuals"]
+    cfg = _cfg(1000)
+    model = mb.model_spec(cfg, 258, "unfused")
+    cluster = ClusterSpec(nodes=1, gpus_per_node=2)
+    resident = plan(model, cluster, cfg.grpo, bucket_size=cfg.parallel.ddp_bucket_size).grpo_memory
+    assert peaks["resident"] == base + resident.total
+    streamed = plan(model, cluster, cfg.grpo, bucket_size=cfg.parallel.ddp_bucket_size,
+                    offload=cfg.offload).grpo_memory  # ssd, stream and residuals: the last level
+    assert peaks["stream+residuals"] == base + streamed.total
+    assert peaks["resident"] > peaks["stream"] > peaks["stream+residuals"] > base
+
+
+@pytest.mark.parametrize("level", ["resident", "stream", "stream+residuals"])
+def test_the_first_level_that_fits_is_taken(level):
+    base = 300_000_000
+    peaks = _peaks(base)
+    budget = peaks[level]  # exactly at the planned peak: fits
+    off, choice = mb.choose(_cfg(budget / 1e9), 258, "unfused", 2, base)
+    assert choice.level == level and choice.planned_bytes == peaks[level]
+    assert choice.metrics() == {"grpo_memory_budget_bytes": round(budget), "grpo_memory_level": level,
+                                "grpo_memory_planned_bytes": peaks[level]}
+    expected = {"resident": ("none", True, True), "stream": ("ssd", True, False),
+                "stream+residuals": ("ssd", True, True)}[level]
+    assert (off.target, off.stream, off.residuals) == expected
+    assert off.offload_dir == "/tmp" and off.memory_budget_gb == budget / 1e9
+
+
+def test_no_level_fits_names_the_flag_the_rank_and_the_levels():
+    base = 300_000_000
+    peaks = _peaks(base)
+    with pytest.raises(ConfigError) as err:
+        mb.choose(_cfg((peaks["stream+residuals"] - 1) / 1e9), 258, "unfused", 2, base, rank=3)
+    msg = str(err.value)
+    assert msg.startswith("rank 3: --grpo-memory-budget-gb ")
+    assert "(OffloadConfig.memory_budget_gb): no placement fits (planned peaks per rank: resident " in msg
+    assert "300.0 MB held before the model" in msg and "Raise --grpo-memory-budget-gb" in msg
+
+
+def test_a_budget_needs_somewhere_to_move_state():
+    with pytest.raises(ConfigError, match=r"--grpo-offload \(OffloadConfig.target\) must be cpu or ssd "
+                                          r"with --grpo-memory-budget-gb"):
+        parse_args([*SMALL_MODEL, *GRPO_SMALL, "--data-path", "x", "--grpo-memory-budget-gb", "2"],
+                   world_size=2)
