@@ -21,6 +21,10 @@ import yaml
 from megatron_grpo.training.config import SECTIONS, PretrainConfig
 
 
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+POSITION_EMBEDDINGS = ("learned_absolute", "rope")
+
+
 class ConfigError(ValueError):
     """A user-facing configuration problem; the message names the flag/field and the fix."""
 
@@ -261,6 +265,20 @@ def validate(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
     if m.num_attention_heads % p.tensor_model_parallel_size:
         raise ConfigError(f"--num-attention-heads ({m.num_attention_heads}) must be divisible by "
                           f"--tensor-model-parallel-size ({p.tensor_model_parallel_size})")
+    if m.num_query_groups is not None:
+        if m.num_query_groups <= 0 or m.num_attention_heads % m.num_query_groups:
+            raise ConfigError(f"--num-query-groups must be a positive divisor of --num-attention-heads "
+                              f"({m.num_attention_heads}), got {m.num_query_groups}")
+        if m.num_query_groups % p.tensor_model_parallel_size:
+            raise ConfigError(f"--num-query-groups ({m.num_query_groups}) must be divisible by "
+                              f"--tensor-model-parallel-size ({p.tensor_model_parallel_size})")
+    if m.normalization not in NORMALIZATIONS:
+        raise ConfigError(f"--normalization must be one of {', '.join(NORMALIZATIONS)}, got {m.normalization!r}")
+    if m.position_embedding_type not in POSITION_EMBEDDINGS:
+        raise ConfigError(f"--position-embedding-type must be one of {', '.join(POSITION_EMBEDDINGS)}, "
+                          f"got {m.position_embedding_type!r}")
+    if m.rotary_base <= 0:
+        raise ConfigError(f"--rotary-base must be a positive integer, got {m.rotary_base}")
     if m.num_layers % p.pipeline_model_parallel_size:
         raise ConfigError(f"--num-layers ({m.num_layers}) must be divisible by "
                           f"--pipeline-model-parallel-size ({p.pipeline_model_parallel_size})")

@@ -38,6 +38,19 @@ class ModelConfig:
     """Dropout after attention/MLP (0 keeps CPU runs deterministic)."""
     attention_dropout: float = 0.0
     """Dropout on attention probabilities."""
+    num_query_groups: Optional[int] = None
+    """Grouped-query attention: key/value head groups (Llama-3: 8); None = one per head (MHA).
+    Must divide --num-attention-heads and be divisible by --tensor-model-parallel-size."""
+    swiglu: bool = False
+    """SwiGLU MLP (gated linear unit with SiLU, megatron's gated_linear_unit) instead of GeLU."""
+    normalization: str = "LayerNorm"
+    """LayerNorm or RMSNorm (megatron TransformerConfig.normalization)."""
+    position_embedding_type: str = "learned_absolute"
+    """learned_absolute (a learned table) or rope (rotary, no table)."""
+    rotary_base: int = 10000
+    """RoPE base (Llama-3: 500000); used with --position-embedding-type rope."""
+    disable_bias_linear: bool = False
+    """No biases in the linear layers (Llama-style; megatron add_bias_linear=False)."""
 
 
 @dataclass

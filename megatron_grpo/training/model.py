@@ -65,6 +65,11 @@ def transformer_config(cfg: PretrainConfig, platform: Platform):
         init_method_std=m.init_method_std,
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
+        num_query_groups=m.num_query_groups,
+        gated_linear_unit=m.swiglu,  # SwiGLU = a gated unit with SiLU (megatron's default is GeLU)
+        activation_func=torch.nn.functional.silu if m.swiglu else torch.nn.functional.gelu,
+        normalization=m.normalization,
+        add_bias_linear=not m.disable_bias_linear,
         # Fused kernels need CUDA/apex; the local spec's unfused paths are exact on CPU.
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
@@ -76,8 +81,9 @@ def transformer_config(cfg: PretrainConfig, platform: Platform):
     )
 
 
-def layer_spec(platform: Platform):
-    """Transformer-engine spec when TE is importable on CUDA, megatron's local spec otherwise."""
+def layer_spec(platform: Platform, normalization: str = "LayerNorm"):
+    """Transformer-engine spec when TE is importable on CUDA, megatron's local spec otherwise
+    (whose norm is chosen by the spec: RMSNorm needs asking for)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if not platform.cpu_mode:
@@ -87,7 +93,7 @@ def layer_spec(platform: Platform):
             return specs.get_gpt_layer_with_transformer_engine_spec(), "transformer_engine"
         except ImportError:
             pass
-    return specs.get_gpt_layer_local_spec(), "local"
+    return specs.get_gpt_layer_local_spec(normalization=normalization), "local"
 
 
 @dataclass
@@ -120,13 +126,15 @@ def build_model(cfg: PretrainConfig, platform: Platform, tokenizer_vocab_size: i
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     tf_config = transformer_config(cfg, platform)
-    spec, spec_name = layer_spec(platform)
+    spec, spec_name = layer_spec(platform, cfg.model.normalization)
     vocab = padded_vocab_size(tokenizer_vocab_size, cfg)
     model = GPTModel(
         config=tf_config,
         transformer_layer_spec=spec,
         vocab_size=vocab,
         max_sequence_length=cfg.model.max_position_embeddings or cfg.model.seq_length,
+        position_embedding_type=cfg.model.position_embedding_type,
+        rotary_base=cfg.model.rotary_base,
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),
     )
