@@ -23,8 +23,8 @@ GB = 10 ** 9
 
 @dataclass
 class ModelSpec:
-    """A megatron-core GPTModel as launch/pretrain_gpt.py builds it (untied output layer,
-    learned absolute positions, GeLU MLP, no sequence parallelism, no recompute)."""
+    """A megatron-core GPTModel as launch/pretrain_gpt.py builds it (untied output layer; GPT-2
+    style by default, Llama-style with the fields below; no sequence parallelism, no recompute)."""
 
     num_layers: int
     """Transformer layers."""
@@ -53,6 +53,16 @@ class ModelSpec:
     """Hidden/attention dropout > 0: dropout masks are kept (the launcher's default is 0)."""
     softmax_in_fp32: bool = True
     """megatron's attention_softmax_in_fp32 (its default); only matters without flash attention."""
+    num_query_groups: Optional[int] = None
+    """Grouped-query attention: key/value groups g; None = one per head (MHA)."""
+    swiglu: bool = False
+    """SwiGLU MLP: fc1 is 2f wide (gate and up), SiLU gate."""
+    rmsnorm: bool = False
+    """RMSNorm (weight only) instead of LayerNorm (weight and bias)."""
+    rope: bool = False
+    """Rotary positions: no position-embedding table."""
+    bias_linear: bool = True
+    """Biases in the linear layers (False: --disable-bias-linear, Llama-style)."""
 
     @property
     def ffn(self) -> int:
@@ -61,6 +71,10 @@ class ModelSpec:
     @property
     def positions(self) -> int:
         return self.max_position or self.seq_length
+
+    @property
+    def groups(self) -> int:
+        return self.num_query_groups or self.heads
 
     @property
     def param_bytes(self) -> int:
@@ -82,6 +96,9 @@ class ModelSpec:
                 raise ValueError(f"ModelSpec.{name} must be None or a positive integer, got {value!r}")
         if self.hidden % self.heads:
             raise ValueError(f"ModelSpec.hidden ({self.hidden}) must be divisible by "
+                             f"ModelSpec.heads ({self.heads})")
+        if self.heads % self.groups:
+            raise ValueError(f"ModelSpec.num_query_groups ({self.num_query_groups}) must divide "
                              f"ModelSpec.heads ({self.heads})")
         if self.positions < self.seq_length:
             raise ValueError(f"ModelSpec.max_position ({self.max_position}) must be >= "
@@ -144,6 +161,9 @@ class ClusterSpec:
             if model.num_layers % self.pp:
                 raise ValueError(f"ClusterSpec.pp ({self.pp}) must divide ModelSpec.num_layers "
                                  f"({model.num_layers})")
+            if model.groups % self.tp:
+                raise ValueError(f"ClusterSpec.tp ({self.tp}) must divide ModelSpec.num_query_groups "
+                                 f"({model.groups})")
             if model.heads % self.tp or model.ffn % self.tp:
                 raise ValueError(f"ClusterSpec.tp ({self.tp}) must divide ModelSpec.heads "
                                  f"({model.heads}) and the MLP size ({model.ffn})")
@@ -267,59 +287,17 @@ class Plan:
         return memory.total <= self.cluster.gpu_memory_gb * GB
 
 
-# ---------------------------------------------------------------------------------- activations
-def layer_activation_bytes(model: ModelSpec, tp: int) -> int:
-    """Bytes one transformer layer keeps for backward, per micro-batch (no recompute, no
-    sequence parallelism; Korthikanti et al. 2022, eq. 2, generalised to e-byte activations,
-    f != 4h, flash attention and megatron's fp32 softmax)."""
-    s, b, h, a, f = model.seq_length, model.micro_batch_size, model.hidden, model.heads, model.ffn
-    e = model.param_bytes
-    sbh, sbf = s * b * h, s * b * f
-    # Replicated over TP: inputs of both layernorms and of QKV and fc1 (the layernorm outputs).
-    total = 4 * sbh * e
-    # Split over TP: Q, K, V; attention context (linear_proj input); GeLU input; fc2 input.
-    total += (4 * sbh + 2 * sbf) * e // tp
-    scores = a * s * s * b // tp
-    if model.flash_attention:
-        total += 4 * a * s * b // tp  # fp32 log-sum-exp per row, kept instead of the scores
-    else:
-        # Softmax output (fp32 under softmax_in_fp32) is kept for the softmax backward; the
-        # bf16 probabilities cast from it are kept again by the probabilities x V matmul.
-        total += scores * (4 + e if model.bf16 and model.softmax_in_fp32 else e)
-        if model.dropout:
-            total += scores * (1 + e)  # attention-dropout mask and its output (bmm input)
-    if model.dropout:
-        total += 2 * sbh  # one-byte masks of the two hidden dropouts
-    total += 2 * 8 * s * b  # fp32 mean and rstd of the two layernorms
-    return total
-
-
-def stage_activation_bytes(model: ModelSpec, cluster: ClusterSpec, stage: int) -> int:
-    """Activations held on one GPU of ``stage`` at the peak of a 1F1B step: pp - stage
-    micro-batches in flight (assumes at least pp micro-batches per step; 1 without pipelining)."""
-    s, b, h = model.seq_length, model.micro_batch_size, model.hidden
-    tp, pp = cluster.tp, cluster.pp
-    per_mb = model.num_layers // pp * layer_activation_bytes(model, tp)
-    if stage == 0:
-        per_mb += 2 * 8 * s * b  # token and position ids kept by the embeddings (int64)
-        if model.dropout:
-            per_mb += s * b * h  # embedding dropout mask
-    if stage == pp - 1:
-        e = model.param_bytes
-        # Final layernorm input and output (the output layer's input), its stats, and the
-        # cross-entropy's fp32 softmax of the logits over this TP rank's vocabulary slice.
-        per_mb += 2 * s * b * h * e + 8 * s * b + 4 * s * b * model.padded_vocab(tp) // tp
-        per_mb += 9 * s * b  # labels-side target mask (bool) and int64 target ids
-    constant = 0 if model.flash_attention else s * s  # the bool causal mask, one per step
-    return (pp - stage) * per_mb + constant
-
+# Activations: megatron_grpo/activations.py (re-exported: the planner's public names).
+from megatron_grpo.activations import layer_activation_bytes, stage_activation_bytes  # noqa: E402
 
 # ---------------------------------------------------------------------------------- the plan
 def stage_param_numels(model: ModelSpec, cluster: ClusterSpec, stage: int) -> List[int]:
     """Parameter sizes of one TP rank of ``stage`` in named_parameters() order."""
     return gpt_param_numels(model.num_layers // cluster.pp, model.hidden, model.ffn,
-                            model.padded_vocab(cluster.tp), model.positions, tp=cluster.tp,
-                            pre_process=stage == 0, post_process=stage == cluster.pp - 1)
+                            model.padded_vocab(cluster.tp), 0 if model.rope else model.positions,
+                            tp=cluster.tp, pre_process=stage == 0, post_process=stage == cluster.pp - 1,
+                            heads=model.heads, groups=model.groups, swiglu=model.swiglu,
+                            norm_bias=not model.rmsnorm, bias=model.bias_linear)
 
 
 def _unit_bytes(numel: int, dp: int, param_bytes: int) -> int:

@@ -25,22 +25,34 @@ def _pad(n: int, divisor: int) -> int:
 
 def gpt_param_numels(num_layers: int, hidden: int, ffn_hidden: int, vocab_padded: int,
                      max_position: int, tp: int = 1, pre_process: bool = True,
-                     post_process: bool = True) -> List[int]:
-    """Parameter sizes of megatron-core's GPTModel (local spec, learned absolute positions,
-    untied output layer) on one tensor-parallel rank, in ``named_parameters()`` order."""
+                     post_process: bool = True, heads: int = 1, groups: int = 0,
+                     swiglu: bool = False, norm_bias: bool = True, bias: bool = True) -> List[int]:
+    """Parameter sizes of megatron-core's GPTModel (local spec, untied output layer) on one
+    tensor-parallel rank, in ``named_parameters()`` order. GPT-2 style by default; Llama-style
+    with ``max_position`` 0 (rotary: no position table), ``groups`` key/value groups of ``heads``
+    (0: one per head), ``swiglu`` (fc1 2f wide), ``norm_bias`` False (RMSNorm) and ``bias``
+    False (no linear biases)."""
     h, f = hidden, ffn_hidden
+    qkv = h + 2 * (groups or heads) * (h // heads) if groups else 3 * h
+    fc1 = 2 * f if swiglu else f
+    norm = [h, h] if norm_bias else [h]
+
+    def linear(out_per_rank: int, inp: int, row_parallel_bias: bool = False) -> List[int]:
+        # Column-parallel biases are split like the output; row-parallel ones are whole.
+        return [out_per_rank * inp] + ([h if row_parallel_bias else out_per_rank] if bias else [])
+
     out: List[int] = []
     if pre_process:
-        out += [vocab_padded // tp * h, max_position * h]
-    layer = [h, h,                       # input_layernorm weight, bias
-             h * h // tp, h,             # linear_proj (row parallel) weight, bias
-             3 * h // tp * h, 3 * h // tp,  # linear_qkv (column parallel) weight, bias
-             h, h,                       # pre_mlp_layernorm weight, bias
-             f // tp * h, f // tp,       # linear_fc1 (column parallel) weight, bias
-             h * f // tp, h]             # linear_fc2 (row parallel) weight, bias
+        out += [vocab_padded // tp * h] + ([max_position * h] if max_position else [])
+    layer = (norm                                 # input_layernorm
+             + linear(h, h // tp, True)           # linear_proj (row parallel)
+             + linear(qkv // tp, h)               # linear_qkv (column parallel)
+             + norm                               # pre_mlp_layernorm
+             + linear(fc1 // tp, h)               # linear_fc1 (column parallel)
+             + linear(h, f // tp, True))          # linear_fc2 (row parallel)
     out += layer * num_layers
     if post_process:
-        out += [h, h, vocab_padded // tp * h]  # final_layernorm weight, bias; output_layer
+        out += norm + [vocab_padded // tp * h]  # final_layernorm; output_layer
     return out
 
 

@@ -34,26 +34,20 @@ GB = 1e9
 
 
 def model_spec(cfg, vocab: int, attention: str):
-    """The planner's ModelSpec of a training config (also launch/plan.py's). The planner models
-    GPT-2-style layers; a Llama-style option is refused here rather than planned wrongly."""
+    """The planner's ModelSpec of a training config (also launch/plan.py's)."""
     from megatron_grpo.planner import ModelSpec
 
     m, t = cfg.model, cfg.training
-    unmodelled = [flag for flag, on in (
-        ("--num-query-groups", m.num_query_groups not in (None, m.num_attention_heads)),
-        ("--swiglu", m.swiglu), ("--normalization RMSNorm", m.normalization != "LayerNorm"),
-        ("--position-embedding-type rope", m.position_embedding_type != "learned_absolute"),
-        ("--disable-bias-linear", m.disable_bias_linear)) if on]
-    if unmodelled:
-        raise ValueError(f"the planner models GPT-2-style layers only; {', '.join(unmodelled)} "
-                         f"not modelled yet (issue 11): plan without them, or measure a short run")
     return ModelSpec(num_layers=m.num_layers, hidden=m.hidden_size, heads=m.num_attention_heads,
                      ffn_hidden=m.ffn_hidden_size, vocab=vocab, seq_length=m.seq_length,
                      micro_batch_size=t.micro_batch_size, bf16=t.bf16,
                      max_position=m.max_position_embeddings,
                      make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
                      flash_attention=attention == "flash",
-                     dropout=m.hidden_dropout > 0 or m.attention_dropout > 0)
+                     dropout=m.hidden_dropout > 0 or m.attention_dropout > 0,
+                     num_query_groups=m.num_query_groups, swiglu=m.swiglu,
+                     rmsnorm=m.normalization == "RMSNorm", rope=m.position_embedding_type == "rope",
+                     bias_linear=not m.disable_bias_linear)
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """The planner's predictions against real 2-rank gloo runs of megatron-core (SMALL model).
 
-Four runs of 12 iterations through tests/multiproc/planner_probe.py (the real training loop,
-plus measurement of the actual tensors): the fp32 baseline, GRPO in fp32, GRPO in bf16 and
-GRPO with an int8 core tier.
+Seven runs of 12 iterations through tests/multiproc/planner_probe.py (the real training loop,
+plus measurement of the actual tensors): the fp32 baseline, GRPO in fp32, GRPO in bf16, GRPO
+with an int8 core tier, and Llama-style layers (GQA, SwiGLU, RMSNorm, RoPE, no biases) in fp32
+and bf16, and with MHA in bf16.
 GRPO_SMALL tiers the units at iteration 9; iteration 12 is a stable update step.
 """
 
@@ -24,8 +25,13 @@ plan_cli = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(plan_cli)
 
 COMMON = [*SMALL_MODEL, "--train-iters", "12", "--eval-iters", "0", "--eval-interval", "12"]
+# Llama-style layers on SMALL_MODEL's shape (tests/multiproc/test_llama_style.py).
+LLAMA = ["--num-query-groups", "2", "--ffn-hidden-size", "256", "--swiglu", "--normalization", "RMSNorm",
+         "--position-embedding-type", "rope", "--disable-bias-linear"]
 RUNS = {"base": [], "grpo": GRPO_SMALL, "grpo_bf16": [*GRPO_SMALL, "--bf16"],
-        "grpo_core_int8": [*GRPO_SMALL, "--grpo-core-compressor", "int8"]}
+        "grpo_core_int8": [*GRPO_SMALL, "--grpo-core-compressor", "int8"],
+        "llama": [*GRPO_SMALL, *LLAMA], "llama_bf16": [*GRPO_SMALL, *LLAMA, "--bf16"],
+        "llama_mha_bf16": [*GRPO_SMALL, *LLAMA[2:], "--bf16"]}
 
 
 def _probe(tmp, name, data, args):
@@ -70,7 +76,7 @@ def test_baseline_bytes_predicted_exactly(runs):
     assert [r["wire_bytes_core"] for r in bf16[:8]] == [warm] * 8
 
 
-@pytest.mark.parametrize("name", ["grpo", "grpo_bf16", "grpo_core_int8"])
+@pytest.mark.parametrize("name", ["grpo", "grpo_bf16", "grpo_core_int8", "llama"])
 def test_grpo_tier_bytes_predicted_exactly_from_the_run_tiers(runs, name):
     ranks, metrics = runs[name]
     tiered = [r for r in metrics if set(r["grpo_tier_map"]) != {"c"}]
@@ -88,7 +94,7 @@ def test_grpo_tier_bytes_predicted_exactly_from_the_run_tiers(runs, name):
     assert checked == {"between": 3, "update": 1}
 
 
-@pytest.mark.parametrize("name", ["base", "grpo", "grpo_bf16", "grpo_core_int8"])
+@pytest.mark.parametrize("name", ["base", "grpo", "grpo_bf16", "grpo_core_int8", "llama", "llama_bf16"])
 def test_model_state_memory_within_10_percent(runs, name):
     ranks, metrics = runs[name]
     tiers = metrics[-1].get("grpo_tier_map")
@@ -119,7 +125,7 @@ def test_model_state_memory_within_10_percent(runs, name):
     assert (ranks[0]["state"]["master_params"] > 0) == (name != "base")
 
 
-@pytest.mark.parametrize("name", ["base", "grpo_bf16"])
+@pytest.mark.parametrize("name", ["base", "grpo_bf16", "llama", "llama_bf16", "llama_mha_bf16"])
 def test_activation_memory_within_1_percent(runs, name):
     ranks, _ = runs[name]
     p = _plan(RUNS[name])

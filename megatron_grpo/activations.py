@@ -1,0 +1,88 @@
+"""Activation memory of megatron-core's GPTModel for the planner (megatron_grpo.planner).
+
+GPT-2-style layers follow Korthikanti et al. 2022, eq. 2, generalised to e-byte activations,
+f != 4h, flash attention and megatron's fp32 softmax. The Llama-style terms were measured on
+megatron's local spec (CPU, torch ops) with tests/multiproc/planner_probe.py, one option at a
+time, storage by storage (what autograd saves for backward, 2026-12-01):
+
+* RMSNorm (torch's, unfused) saves its input upcast to fp32, the fp32 normalised input and an
+  fp32 rstd per row: 8 sbh + 4 sb per norm, where LayerNorm saves its e-byte input and two
+  stats. Transformer-engine's fused norm is assumed to save input + rstd (not measured: no GPU).
+* SwiGLU keeps fc1's 2f-wide output, SiLU's output, the gate product's other factor and the
+  product (fc2's input): 5 sbf e bytes, against GeLU's 2 sbf e.
+* Grouped-query attention on the local spec copies Q and expands K and V to every head before
+  the batched matmuls, so Q, K, V keep 3 sbh e bytes whatever the group count; with flash
+  attention they are kept unexpanded, sb (h + 2 g d) e (not measured).
+* RoPE keeps cos and sin for q and k (4 s d e per layer; the products do not keep their
+  inputs, since cos/sin need no gradient) and, with MHA on the local spec, the rotated q and k
+  as new storages (2 sbh e); with GQA the copies above already are the rotated tensors. No
+  position ids are kept by the embedding.
+* No linear biases changes nothing kept.
+"""
+
+from __future__ import annotations
+
+
+def _norm_bytes(model, sbh: int, sb: int) -> int:
+    """What one norm keeps: its input and its statistics."""
+    e = model.param_bytes
+    if not model.rmsnorm:
+        return sbh * e + 8 * sb  # e-byte input; fp32 mean and rstd
+    if model.flash_attention:  # transformer-engine's fused RMSNorm (assumed, not measured)
+        return sbh * e + 4 * sb
+    return 8 * sbh + 4 * sb
+
+
+def layer_activation_bytes(model, tp: int) -> int:
+    """Bytes one transformer layer keeps for backward, per micro-batch (no recompute, no
+    sequence parallelism)."""
+    s, b, h, a, f = model.seq_length, model.micro_batch_size, model.hidden, model.heads, model.ffn
+    e = model.param_bytes
+    d, g = h // a, model.groups
+    sbh, sbf, sb = s * b * h, s * b * f, s * b
+    # Replicated over TP: both norms (input and stats) and their outputs (QKV's and fc1's input).
+    total = 2 * _norm_bytes(model, sbh, sb) + 2 * sbh * e
+    # Split over TP: Q, K, V and the attention context (linear_proj's input).
+    qkv = sb * (h + 2 * g * d) if model.flash_attention else 3 * sbh
+    if model.rope:
+        if model.flash_attention:
+            qkv += sb * (h + g * d)  # rotated q and k (assumed, not measured)
+        elif g == a:
+            qkv += 2 * sbh  # rotated q and k: new storages beside the fused QKV output
+        total += 4 * s * d * e  # cos and sin, for q and for k
+    total += (qkv + sbh) * e // tp
+    # Split over TP: the MLP (GeLU: its input and fc2's input; SwiGLU: see the module notes).
+    total += (5 if model.swiglu else 2) * sbf * e // tp
+    scores = a * s * s * b // tp
+    if model.flash_attention:
+        total += 4 * a * s * b // tp  # fp32 log-sum-exp per row, kept instead of the scores
+    else:
+        # Softmax output (fp32 under softmax_in_fp32) is kept for the softmax backward; the
+        # bf16 probabilities cast from it are kept again by the probabilities x V matmul.
+        total += scores * (4 + e if model.bf16 and model.softmax_in_fp32 else e)
+        if model.dropout:
+            total += scores * (1 + e)  # attention-dropout mask and its output (bmm input)
+    if model.dropout:
+        total += 2 * sbh  # one-byte masks of the two hidden dropouts
+    return total
+
+
+def stage_activation_bytes(model, cluster, stage: int) -> int:
+    """Activations held on one GPU of ``stage`` at the peak of a 1F1B step: pp - stage
+    micro-batches in flight (assumes at least pp micro-batches per step; 1 without pipelining)."""
+    s, b, h = model.seq_length, model.micro_batch_size, model.hidden
+    tp, pp = cluster.tp, cluster.pp
+    per_mb = model.num_layers // pp * layer_activation_bytes(model, tp)
+    if stage == 0:
+        per_mb += (1 if model.rope else 2) * 8 * s * b  # token (and position) ids, int64
+        if model.dropout:
+            per_mb += s * b * h  # embedding dropout mask
+    if stage == pp - 1:
+        e = model.param_bytes
+        # Final norm (input, stats) and its output (the output layer's input), and the
+        # cross-entropy's fp32 softmax of the logits over this TP rank's vocabulary slice.
+        per_mb += _norm_bytes(model, s * b * h, s * b) + s * b * h * e
+        per_mb += 4 * s * b * model.padded_vocab(tp) // tp
+        per_mb += 9 * s * b  # labels-side target mask (bool) and int64 target ids
+    constant = 0 if model.flash_attention else s * s  # the bool causal mask, one per step
+    return (pp - stage) * per_mb + constant
