@@ -478,8 +478,11 @@ def format_plan(p: Plan, name: str = "") -> str:
         return f"{nbytes / scale:.2f}"
 
     ring = "inter-node links" if c.dp_spans_nodes else "NVLink"
+    style = ", ".join(x for x, on in ((f"{m.groups} query groups", m.groups != m.heads),
+                                      ("SwiGLU", m.swiglu), ("RMSNorm", m.rmsnorm), ("RoPE", m.rope),
+                                      ("no biases", not m.bias_linear)) if on)
     lines = [f"{name or 'model'}: {m.num_layers} layers, hidden {m.hidden}, {m.heads} heads, "
-             f"ffn {m.ffn}, vocab {m.vocab} (padded {m.padded_vocab(c.tp)}), seq {m.seq_length}, "
+             f"{style + ', ' if style else ''}ffn {m.ffn}, vocab {m.vocab} (padded {m.padded_vocab(c.tp)}), seq {m.seq_length}, "
              f"micro-batch {m.micro_batch_size}, {'bf16' if m.bf16 else 'fp32'}, "
              f"{'flash' if m.flash_attention else 'unfused'} attention",
              f"cluster: {c.nodes} x {c.gpus_per_node} GPUs, {c.gpu_memory_gb:g} GB each, "
