@@ -18,6 +18,16 @@ time, storage by storage (what autograd saves for backward, 2026-12-01):
   as new storages (2 sbh e); with GQA the copies above already are the rotated tensors. No
   position ids are kept by the embedding.
 * No linear biases changes nothing kept.
+
+Activation recompute (measured the same way; what a forward keeps, exactly):
+
+* full, uniform N: each chunk of N layers keeps only its input (s b h e), and with RoPE the
+  fp32 rotary table (4 s d) once; block N: the first N layers of the stage keep only their
+  input, the others everything.
+* selective: the core attention is recomputed, so the softmax output, the probabilities and
+  the attention-dropout tensors are not kept (4 bytes of int32 scalars per layer are).
+* Backward then recomputes one chunk (full: N layers' worth; selective: one layer's scores)
+  for one micro-batch at a time: added once to the peak (from the formulas, not measured).
 """
 
 from __future__ import annotations
@@ -31,6 +41,21 @@ def _norm_bytes(model, sbh: int, sb: int) -> int:
     if model.flash_attention:  # transformer-engine's fused RMSNorm (assumed, not measured)
         return sbh * e + 4 * sb
     return 8 * sbh + 4 * sb
+
+
+def _scores_bytes(model, tp: int) -> int:
+    """What a layer's core attention keeps beside Q, K and V (the part selective recompute
+    drops)."""
+    s, b, a, e = model.seq_length, model.micro_batch_size, model.heads, model.param_bytes
+    scores = a * s * s * b // tp
+    if model.flash_attention:
+        return 4 * a * s * b // tp  # fp32 log-sum-exp per row, kept instead of the scores
+    # Softmax output (fp32 under softmax_in_fp32) is kept for the softmax backward; the bf16
+    # probabilities cast from it are kept again by the probabilities x V matmul.
+    total = scores * (4 + e if model.bf16 and model.softmax_in_fp32 else e)
+    if model.dropout:
+        total += scores * (1 + e)  # attention-dropout mask and its output (bmm input)
+    return total
 
 
 def layer_activation_bytes(model, tp: int) -> int:
@@ -53,26 +78,17 @@ def layer_activation_bytes(model, tp: int) -> int:
     total += (qkv + sbh) * e // tp
     # Split over TP: the MLP (GeLU: its input and fc2's input; SwiGLU: see the module notes).
     total += (5 if model.swiglu else 2) * sbf * e // tp
-    scores = a * s * s * b // tp
-    if model.flash_attention:
-        total += 4 * a * s * b // tp  # fp32 log-sum-exp per row, kept instead of the scores
-    else:
-        # Softmax output (fp32 under softmax_in_fp32) is kept for the softmax backward; the
-        # bf16 probabilities cast from it are kept again by the probabilities x V matmul.
-        total += scores * (4 + e if model.bf16 and model.softmax_in_fp32 else e)
-        if model.dropout:
-            total += scores * (1 + e)  # attention-dropout mask and its output (bmm input)
+    total += _scores_bytes(model, tp)
     if model.dropout:
         total += 2 * sbh  # one-byte masks of the two hidden dropouts
     return total
 
 
-def stage_activation_bytes(model, cluster, stage: int) -> int:
-    """Activations held on one GPU of ``stage`` at the peak of a 1F1B step: pp - stage
-    micro-batches in flight (assumes at least pp micro-batches per step; 1 without pipelining)."""
+def _stage_parts(model, cluster, stage: int):
+    """(kept per micro-batch, recompute's working set, per-step constant) of ``stage``."""
     s, b, h = model.seq_length, model.micro_batch_size, model.hidden
     tp, pp = cluster.tp, cluster.pp
-    per_mb = model.num_layers // pp * layer_activation_bytes(model, tp)
+    per_mb, working = _layers_kept(model, model.num_layers // pp, tp)
     if stage == 0:
         per_mb += (1 if model.rope else 2) * 8 * s * b  # token (and position) ids, int64
         if model.dropout:
@@ -85,4 +101,38 @@ def stage_activation_bytes(model, cluster, stage: int) -> int:
         per_mb += 4 * s * b * model.padded_vocab(tp) // tp
         per_mb += 9 * s * b  # labels-side target mask (bool) and int64 target ids
     constant = 0 if model.flash_attention else s * s  # the bool causal mask, one per step
-    return (pp - stage) * per_mb + constant
+    return per_mb, working, constant
+
+
+def stage_activation_bytes(model, cluster, stage: int) -> int:
+    """Activations held on one GPU of ``stage`` at the peak of a 1F1B step: pp - stage
+    micro-batches in flight (assumes at least pp micro-batches per step; 1 without pipelining),
+    plus what backward's recompute rebuilds for one of them."""
+    per_mb, working, constant = _stage_parts(model, cluster, stage)
+    return (cluster.pp - stage) * per_mb + working + constant
+
+
+def stage_kept_bytes(model, cluster, stage: int) -> int:
+    """What one forward of one micro-batch keeps on ``stage``: the measurable part (no other
+    micro-batch in flight, no recompute working set)."""
+    per_mb, _, constant = _stage_parts(model, cluster, stage)
+    return per_mb + constant
+
+
+def _layers_kept(model, layers: int, tp: int):
+    """(bytes the stage's layers keep per micro-batch, bytes backward's recompute adds once)."""
+    full = layer_activation_bytes(model, tp)
+    how, n = model.recompute_granularity, model.recompute_num_layers or 0
+    if how is None:
+        return layers * full, 0
+    if how == "selective":
+        scores = _scores_bytes(model, tp)
+        return layers * (full - scores + 4), scores
+    s, b, h, e = model.seq_length, model.micro_batch_size, model.hidden, model.param_bytes
+    rope_table = 4 * s * (h // model.heads) if model.rope else 0
+    if model.recompute_method == "uniform":
+        chunks = -(-layers // n)
+        return chunks * s * b * h * e + rope_table, min(n, layers) * full
+    recomputed = min(n, layers)  # block
+    kept = recomputed * s * b * h * e + (layers - recomputed) * full + (rope_table if recomputed else 0)
+    return kept, full if recomputed else 0

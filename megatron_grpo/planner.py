@@ -63,6 +63,12 @@ class ModelSpec:
     """Rotary positions: no position-embedding table."""
     bias_linear: bool = True
     """Biases in the linear layers (False: --disable-bias-linear, Llama-style)."""
+    recompute_granularity: Optional[str] = None
+    """Activation recompute: None, "full" or "selective" (megatron_grpo/activations.py)."""
+    recompute_method: Optional[str] = None
+    """With full recompute: "uniform" or "block"."""
+    recompute_num_layers: Optional[int] = None
+    """Layers per recomputed chunk (uniform) or recomputed layers per stage (block)."""
 
     @property
     def ffn(self) -> int:
@@ -288,7 +294,8 @@ class Plan:
 
 
 # Activations: megatron_grpo/activations.py (re-exported: the planner's public names).
-from megatron_grpo.activations import layer_activation_bytes, stage_activation_bytes  # noqa: E402
+from megatron_grpo.activations import (layer_activation_bytes, stage_activation_bytes,  # noqa: E402
+                                       stage_kept_bytes)
 
 # ---------------------------------------------------------------------------------- the plan
 def stage_param_numels(model: ModelSpec, cluster: ClusterSpec, stage: int) -> List[int]:

@@ -272,6 +272,20 @@ def validate(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
         if m.num_query_groups % p.tensor_model_parallel_size:
             raise ConfigError(f"--num-query-groups ({m.num_query_groups}) must be divisible by "
                               f"--tensor-model-parallel-size ({p.tensor_model_parallel_size})")
+    if m.recompute_granularity not in (None, "full", "selective"):
+        raise ConfigError(f"--recompute-granularity must be full or selective, got {m.recompute_granularity!r}")
+    if m.recompute_granularity == "full":
+        if m.recompute_method not in ("uniform", "block"):
+            raise ConfigError(f"--recompute-method must be uniform or block with --recompute-granularity "
+                              f"full, got {m.recompute_method!r}")
+        if m.recompute_num_layers is None or m.recompute_num_layers <= 0:
+            raise ConfigError(f"--recompute-num-layers must be a positive integer with "
+                              f"--recompute-granularity full, got {m.recompute_num_layers}")
+    elif m.recompute_method is not None or m.recompute_num_layers is not None:
+        raise ConfigError("--recompute-method and --recompute-num-layers go with --recompute-granularity "
+                          "full; give it or drop them")
+    if p.sequence_parallel and p.tensor_model_parallel_size < 2:
+        raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size >= 2")
     if m.normalization not in NORMALIZATIONS:
         raise ConfigError(f"--normalization must be one of {', '.join(NORMALIZATIONS)}, got {m.normalization!r}")
     if m.position_embedding_type not in POSITION_EMBEDDINGS:

@@ -51,6 +51,14 @@ class ModelConfig:
     """RoPE base (Llama-3: 500000); used with --position-embedding-type rope."""
     disable_bias_linear: bool = False
     """No biases in the linear layers (Llama-style; megatron add_bias_linear=False)."""
+    recompute_granularity: Optional[str] = None
+    """Activation recompute: full (a layer keeps only its input and is recomputed in backward)
+    or selective (megatron's choice of cheap-to-recompute attention parts); None = off."""
+    recompute_method: Optional[str] = None
+    """With full recompute: uniform (every --recompute-num-layers layers form one recomputed
+    chunk) or block (the first --recompute-num-layers layers of each stage are recomputed)."""
+    recompute_num_layers: Optional[int] = None
+    """Layers per recomputed chunk (uniform) or recomputed layers per stage (block)."""
 
 
 @dataclass
@@ -63,6 +71,9 @@ class ParallelConfig:
     """Pipeline model parallel size (PP)."""
     ddp_bucket_size: Optional[int] = None
     """Elements per DDP gradient bucket; default megatron's max(4e7, 1e6 * dp)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs TP > 1): norms, dropout and the activations they
+    keep are split over the tensor-parallel ranks along the sequence."""
     overlap_grad_reduce: bool = True
     """Overlap data-parallel gradient reduce-scatter with the backward pass (megatron DDP)."""
     use_distributed_optimizer: bool = True

@@ -47,7 +47,9 @@ def model_spec(cfg, vocab: int, attention: str):
                      dropout=m.hidden_dropout > 0 or m.attention_dropout > 0,
                      num_query_groups=m.num_query_groups, swiglu=m.swiglu,
                      rmsnorm=m.normalization == "RMSNorm", rope=m.position_embedding_type == "rope",
-                     bias_linear=not m.disable_bias_linear)
+                     bias_linear=not m.disable_bias_linear,
+                     recompute_granularity=m.recompute_granularity,
+                     recompute_method=m.recompute_method, recompute_num_layers=m.recompute_num_layers)
 
 
 @dataclass

@@ -70,6 +70,10 @@ def transformer_config(cfg: PretrainConfig, platform: Platform):
         activation_func=torch.nn.functional.silu if m.swiglu else torch.nn.functional.gelu,
         normalization=m.normalization,
         add_bias_linear=not m.disable_bias_linear,
+        recompute_granularity=m.recompute_granularity,
+        recompute_method=m.recompute_method,
+        recompute_num_layers=m.recompute_num_layers,
+        sequence_parallel=p.sequence_parallel,
         # Fused kernels need CUDA/apex; the local spec's unfused paths are exact on CPU.
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
@@ -127,6 +131,14 @@ def build_model(cfg: PretrainConfig, platform: Platform, tokenizer_vocab_size: i
 
     tf_config = transformer_config(cfg, platform)
     spec, spec_name = layer_spec(platform, cfg.model.normalization)
+    if spec_name == "local" and cfg.parallel.sequence_parallel:
+        from megatron_grpo.training.arguments import ConfigError
+
+        # megatron's torch norms (the local spec: CPU mode, or CUDA without transformer-engine)
+        # assert on it deep inside the model build; say so first, naming the flag.
+        raise ConfigError(f"rank {torch.distributed.get_rank()}: --sequence-parallel needs the "
+                          f"transformer-engine layer spec (CUDA with transformer-engine installed): "
+                          f"megatron-core's local spec norms do not support it")
     vocab = padded_vocab_size(tokenizer_vocab_size, cfg)
     model = GPTModel(
         config=tf_config,

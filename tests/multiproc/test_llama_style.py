@@ -64,3 +64,30 @@ def test_llama_copies_agree_with_tp_and_pp(stdlib_data, tmp_path, layout):
         # The RMSNorm weights are on both tensor-parallel ranks: the same bytes after every step.
         for step in zip(*probe["ranks"]):
             assert len({rec["replicated_digest"] for rec in step}) == 1, step[0]["iteration"]
+
+
+def test_activation_recompute_trains_the_same_bits_with_grpo(stdlib_data, tmp_path):
+    # Recompute changes what is kept for backward, not what is computed: with GRPO's tiers
+    # (frozen stable units included) the losses and the final parameters are those of the run
+    # without it, for full (uniform, one layer a chunk) and selective recompute.
+    from harness import train_and_read
+
+    common = [*LLAMA, *GRPO_SMALL, "--data-path", stdlib_data, "--train-iters", "14",
+              "--eval-interval", "14", "--eval-iters", "1"]
+    plain = train_and_read(tmp_path, "plain", 2, common)
+    for name, flags in (("full", ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                  "--recompute-num-layers", "1"]),
+                        ("selective", ["--recompute-granularity", "selective"])):
+        rec = train_and_read(tmp_path, name, 2, [*common, *flags])
+        assert [r["loss"] for r in rec] == [r["loss"] for r in plain], name
+        assert rec[-1]["val_loss"] == plain[-1]["val_loss"], name
+        assert rec[-1]["grpo_tier_map"] == plain[-1]["grpo_tier_map"] and "s" in plain[-1]["grpo_tier_map"]
+
+
+def test_sequence_parallel_on_the_local_spec_is_refused_naming_the_flag(stdlib_data, tmp_path):
+    proc = run_training(2, [*LLAMA, "--data-path", stdlib_data, "--train-iters", "1",
+                            "--tensor-model-parallel-size", "2", "--sequence-parallel"], check=False)
+    assert proc.returncode != 0
+    text = proc.stdout + proc.stderr
+    assert "rank 0: --sequence-parallel needs the transformer-engine layer spec" in text
+    assert "rank 1: --sequence-parallel needs the transformer-engine layer spec" in text

@@ -34,6 +34,11 @@ RANGE = {
     "model.normalization": ["--normalization", "BatchNorm"],
     "model.position_embedding_type": ["--position-embedding-type", "alibi"],
     "model.rotary_base": ["--rotary-base", "0"], "model.disable_bias_linear": None,
+    "model.recompute_granularity": ["--recompute-granularity", "everything"],
+    "model.recompute_method": ["--recompute-granularity", "full", "--recompute-method", "random"],
+    "model.recompute_num_layers": ["--recompute-granularity", "full", "--recompute-method", "block",
+                                   "--recompute-num-layers", "0"],
+    "parallel.sequence_parallel": ["--sequence-parallel"],  # needs TP >= 2
     "parallel.tensor_model_parallel_size": ["--tensor-model-parallel-size", "0"],
     "parallel.pipeline_model_parallel_size": ["--pipeline-model-parallel-size", "0"],
     "parallel.ddp_bucket_size": ["--ddp-bucket-size", "0"], "parallel.overlap_grad_reduce": None,
