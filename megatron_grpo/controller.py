@@ -206,6 +206,7 @@ class GRPOController:
         self.retier_pending = False
         self.events: List[Dict] = []
         self._new_events: List[Dict] = []
+        self.pending_events: List[Dict] = []
         self.remediations = 0
 
     # ------------------------------------------------------------------ streams and timers
@@ -229,7 +230,10 @@ class GRPOController:
         """Called before iteration ``iteration + 1`` runs (``iteration`` steps are done)."""
         c = self.config
         k = iteration + 1
-        self._new_events = []
+        # Events noted before the first step (a resume at another world size) show in its record.
+        self._new_events, self.pending_events = self.pending_events, []
+        for event in self._new_events:
+            event["iteration"] = k
         if k - 1 >= c.warmup_iters and (not self.tiered or
                                         (k - 1 - c.warmup_iters) % c.retier_interval == 0):
             self.retier_pending = True

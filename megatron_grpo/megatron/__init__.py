@@ -17,6 +17,12 @@ from megatron_grpo.megatron.optimizer import (GRPODistributedOptimizer, get_grpo
                                               grpo_optimizers, load_optimizer_state, optimizer_state)
 
 
+def _layout():
+    from megatron.core import parallel_state as ps
+
+    return [ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()]
+
+
 def grpo_hooks(cfg):
     """RunHooks for ``megatron_grpo.training.loop.run`` with GRPO enabled (and, with
     --grpo-offload cpu|ssd, the memory tier's placement of the stable tier's state)."""
@@ -62,11 +68,33 @@ def grpo_hooks(cfg):
             state["placement"].close()
             state["placement"] = None
 
+    def checkpoint_state():
+        from megatron_grpo.megatron.reshard import gathered_param_steps
+
+        return {**state["ctrl"].common_state(), "world_size": torch.distributed.get_world_size(),
+                "layout": _layout(),
+                "param_steps": gathered_param_steps(state["built"])}
+
+    def load_state(saved):
+        saved = saved or {}
+        state["saved"] = saved
+        ctrl = state["ctrl"]
+        ctrl.load_common_state(saved)
+
     def rank_state():
         return {"controller": state["ctrl"].rank_state(),
                 "optimizer": optimizer_state(state["built"].optimizer)}
 
     def load_rank_state(saved):
+        common = state.get("saved", {})
+        if common.get("world_size", torch.distributed.get_world_size()) != torch.distributed.get_world_size() \
+                or common.get("layout", _layout()) != _layout():
+            from megatron_grpo.megatron.reshard import resume_elsewhere
+
+            # Another world size or layout: this rank's saved state (if any) is another shard's
+            # (megatron_grpo.megatron.reshard).
+            resume_elsewhere(state["built"], state["ctrl"], common)
+            return
         state["ctrl"].load_rank_state(saved.get("controller", {}))
         load_optimizer_state(state["built"].optimizer, saved.get("optimizer", {}))
 
@@ -78,8 +106,8 @@ def grpo_hooks(cfg):
         before_step=before_step,
         after_step=lambda iteration: state["ctrl"].end_step(),
         step_metrics=step_metrics,
-        checkpoint_state=lambda: state["ctrl"].common_state(),
-        load_state=lambda saved: state["ctrl"].load_common_state(saved),
+        checkpoint_state=checkpoint_state,
+        load_state=load_state,
         rank_state=rank_state,
         load_rank_state=load_rank_state,
         before_save=before_save,

@@ -179,6 +179,38 @@ class GRPODistributedOptimizer(DistributedOptimizer):
                 self.optimizer.state[p]["step"] = torch.tensor(s)
 
 
+def named_param_steps(optimizer, names: Dict, stage: int) -> Dict[str, float]:
+    """This rank's Adam step counter of every model parameter it holds a shard of, keyed
+    ``"stage{pp}/{name}"`` (names repeat across pipeline stages; TP and DP copies of one
+    parameter share a counter, since tiers are planned for the whole replica)."""
+    out = {}
+    for o in grpo_optimizers(optimizer):
+        for model_param, shard in o._pairs():
+            st = o.optimizer.state.get(shard, {})
+            if "step" in st:
+                out[f"stage{stage}/{names[model_param]}"] = float(st["step"])
+    return out
+
+
+def load_named_param_steps(optimizer, names: Dict, stage: int, steps: Dict[str, float]):
+    """Set every shard's Adam step from ``steps`` (named_param_steps of any layout with the same
+    pipeline stages). Returns (restored, missing) counts; a missing one keeps megatron's loaded
+    step (the largest at save)."""
+    restored = missing = 0
+    for o in grpo_optimizers(optimizer):
+        for model_param, shard in o._pairs():
+            st = o.optimizer.state.get(shard, {})
+            if "step" not in st:
+                continue
+            value = steps.get(f"stage{stage}/{names[model_param]}")
+            if value is None:
+                missing += 1
+            else:
+                st["step"] = torch.tensor(value)
+                restored += 1
+    return restored, missing
+
+
 def grpo_optimizers(optimizer) -> List[GRPODistributedOptimizer]:
     inner = getattr(optimizer, "chained_optimizers", [optimizer])
     return [o for o in inner if isinstance(o, GRPODistributedOptimizer)]

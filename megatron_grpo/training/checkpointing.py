@@ -242,7 +242,7 @@ def _save_checkpoint(root: str, iteration: int, built, common: Dict,
                  for f in _files_under(tmp)}
         _atomic_write_text(os.path.join(tmp, MANIFEST), json.dumps(
             {"iteration": iteration, "world_size": dist.get_world_size(), "files": files,
-             "format_version": FORMAT_VERSION}, indent=1, sort_keys=True))
+             "format_version": FORMAT_VERSION, "layout": _layout()}, indent=1, sort_keys=True))
         if os.path.exists(final):  # re-saving the same iteration: replace only once complete
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -338,6 +338,29 @@ def _restore_per_param_steps(built) -> None:
                 opt.optimizer.state[p]["step"] = torch.tensor(float(group["step"]))
 
 
+def _layout():
+    """[tensor-parallel size, pipeline-parallel size] of this run."""
+    from megatron.core import parallel_state as ps
+
+    return [ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()]
+
+
+def _check_layout(root: str, ckpt_dir: str) -> None:
+    """The optimizer state is saved per data-parallel shard (dp_reshardable): it resumes at any
+    data-parallel size but not in another TP/PP layout; say so before megatron's shape error."""
+    with open(os.path.join(ckpt_dir, MANIFEST)) as fh:
+        saved = json.load(fh).get("layout")  # absent in checkpoints before this check
+    if saved is not None and list(saved) != _layout():
+        tp, pp = _layout()
+        raise CheckpointError(
+            f"--load {root} (rank {_rank()}): written at tensor x pipeline parallel {saved[0]} x "
+            f"{saved[1]}, this run is {tp} x {pp}. The distributed optimizer's state is saved per "
+            f"data-parallel shard, so a resume may change the data-parallel size but not TP or PP. "
+            f"Resume with --tensor-model-parallel-size {saved[0]} --pipeline-model-parallel-size "
+            f"{saved[1]}, or start this layout from its weights with --init-from {root} (fresh "
+            f"optimizer state).")
+
+
 def load_checkpoint(root: str, built, iteration: Optional[int] = None):
     """Collective: restore model, optimizer and RNG. Returns (saved ``common`` dict, this
     rank's ``rank_extra`` dict)."""
@@ -349,6 +372,7 @@ def load_checkpoint(root: str, built, iteration: Optional[int] = None):
         raise CheckpointError(f"--load {root}: {TRACKER} names iteration {iteration} but {ckpt_dir} "
                               f"does not exist (rank {_rank()}).")
     verify_checkpoint(ckpt_dir)
+    _check_layout(root, ckpt_dir)
     _prefill_optimizer_state(built)
     template = _sharded_state(built, is_loading=True)
     template["common"] = {}
