@@ -76,10 +76,8 @@ def grpo_hooks(cfg):
                 "param_steps": gathered_param_steps(state["built"])}
 
     def load_state(saved):
-        saved = saved or {}
-        state["saved"] = saved
-        ctrl = state["ctrl"]
-        ctrl.load_common_state(saved)
+        state["saved"] = saved or {}  # load_rank_state compares its world size and layout
+        state["ctrl"].load_common_state(saved)
 
     def rank_state():
         return {"controller": state["ctrl"].rank_state(),
@@ -91,8 +89,8 @@ def grpo_hooks(cfg):
                 or common.get("layout", _layout()) != _layout():
             from megatron_grpo.megatron.reshard import resume_elsewhere
 
-            # Another world size or layout: this rank's saved state (if any) is another shard's
-            # (megatron_grpo.megatron.reshard).
+            # Another world size: this rank has no saved state of its own (another layout is
+            # refused at load; megatron_grpo.megatron.reshard).
             resume_elsewhere(state["built"], state["ctrl"], common)
             return
         state["ctrl"].load_rank_state(saved.get("controller", {}))

@@ -117,7 +117,7 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
 
     def _start_compressed_reduce(self, tier: str, compressor) -> None:
         """Dynamic, or core with --grpo-core-compressor: a compressed reduce-scatter with error
-        feedback. The health figures (GVR, relative error) are the dynamic tier's only."""
+        feedback; on monitoring steps it reports its health sums (megatron_grpo.health)."""
         ctrl = self.grpo
         self._scale()
         self._add_pending(scale_first=True)
