@@ -15,8 +15,10 @@ peak a budget is about. Core state stays resident at every level.
 
 The peak is the planner's total (model state + activations) plus what the process holds
 before the model exists: on CPU the resident set at this point (interpreter, torch, megatron,
-data), on CUDA the memory already allocated on the device. The same figures on every rank of a
-stage; the plan takes the stage with the most memory, so every rank makes the same choice.
+data), on CUDA the memory already allocated on the device. The planner's part is that of the
+stage with the most memory; the held part is this rank's own, so ranks may choose different
+levels. That is safe: placement issues no collective (docs/offload.md); the metrics record
+carries the choice of the rank that writes it, and rank 0 prints its own.
 """
 
 from __future__ import annotations
