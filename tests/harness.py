@@ -90,6 +90,15 @@ def run_probe(tmp_path, nproc: int, args: Sequence[str], timeout: int = 300) -> 
         return json.load(fh)
 
 
+def replica_groups(probe: dict) -> dict:
+    """The probe's per-rank records grouped by (TP rank, PP stage): the data-parallel copies of
+    one model shard, which must agree bit for bit."""
+    groups: dict = {}
+    for rank in probe["ranks"]:
+        groups.setdefault((rank[0]["tp"], rank[0]["pp"]), []).append(rank)
+    return groups
+
+
 def probe_with_metrics(tmp_path, nproc: int, args: Sequence[str], timeout: int = 300):
     """run_probe with a metrics file in ``tmp_path``: (probe JSON, the run's metric records)."""
     metrics = os.path.join(str(tmp_path), "m.jsonl")

@@ -17,7 +17,8 @@ from megatron_grpo.megatron.optimizer import (GRPODistributedOptimizer, get_grpo
                                               grpo_optimizers, load_optimizer_state, optimizer_state)
 
 
-def _layout():
+def parallel_layout():
+    """[tensor-parallel size, pipeline-parallel size] of this run."""
     from megatron.core import parallel_state as ps
 
     return [ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()]
@@ -72,7 +73,7 @@ def grpo_hooks(cfg):
         from megatron_grpo.megatron.reshard import gathered_param_steps
 
         return {**state["ctrl"].common_state(), "world_size": torch.distributed.get_world_size(),
-                "layout": _layout(),
+                "layout": parallel_layout(),
                 "param_steps": gathered_param_steps(state["built"])}
 
     def load_state(saved):
@@ -86,7 +87,7 @@ def grpo_hooks(cfg):
     def load_rank_state(saved):
         common = state.get("saved", {})
         if common.get("world_size", torch.distributed.get_world_size()) != torch.distributed.get_world_size() \
-                or common.get("layout", _layout()) != _layout():
+                or common.get("layout", parallel_layout()) != parallel_layout():
             from megatron_grpo.megatron.reshard import resume_elsewhere
 
             # Another world size: this rank has no saved state of its own (another layout is

@@ -20,6 +20,7 @@ from typing import Dict
 import torch
 import torch.distributed as dist
 
+from megatron_grpo.megatron import parallel_layout
 from megatron_grpo.megatron.optimizer import load_named_param_steps, named_param_steps
 
 
@@ -52,7 +53,7 @@ def resume_elsewhere(built, ctrl, saved: Dict) -> Dict:
     with ctrl.counter.tag("grpo_control"):
         dist.all_reduce(t)
     restored, missing = t.tolist()
-    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    tp, pp = parallel_layout()
     old = saved.get("layout")
     reason = (f"resumed at world size {dist.get_world_size()} (tp x pp {tp} x {pp}) from a checkpoint "
               f"written at {saved.get('world_size', '?')}"

@@ -215,6 +215,8 @@ def _save_checkpoint(root: str, iteration: int, built, common: Dict,
                      rank_extra: Optional[Dict]) -> str:
     from megatron.core import dist_checkpointing
 
+    from megatron_grpo.megatron import parallel_layout
+
     rank = dist.get_rank()
     _sigterm_proof_results_queue()
     final = iteration_dir(root, iteration)
@@ -242,7 +244,7 @@ def _save_checkpoint(root: str, iteration: int, built, common: Dict,
                  for f in _files_under(tmp)}
         _atomic_write_text(os.path.join(tmp, MANIFEST), json.dumps(
             {"iteration": iteration, "world_size": dist.get_world_size(), "files": files,
-             "format_version": FORMAT_VERSION, "layout": _layout()}, indent=1, sort_keys=True))
+             "format_version": FORMAT_VERSION, "layout": parallel_layout()}, indent=1, sort_keys=True))
         if os.path.exists(final):  # re-saving the same iteration: replace only once complete
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -338,20 +340,15 @@ def _restore_per_param_steps(built) -> None:
                 opt.optimizer.state[p]["step"] = torch.tensor(float(group["step"]))
 
 
-def _layout():
-    """[tensor-parallel size, pipeline-parallel size] of this run."""
-    from megatron.core import parallel_state as ps
-
-    return [ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()]
-
-
 def _check_layout(root: str, ckpt_dir: str) -> None:
     """The optimizer state is saved per data-parallel shard (dp_reshardable): it resumes at any
     data-parallel size but not in another TP/PP layout; say so before megatron's shape error."""
+    from megatron_grpo.megatron import parallel_layout
+
     with open(os.path.join(ckpt_dir, MANIFEST)) as fh:
         saved = json.load(fh).get("layout")  # absent in checkpoints before this check
-    if saved is not None and list(saved) != _layout():
-        tp, pp = _layout()
+    if saved is not None and list(saved) != parallel_layout():
+        tp, pp = parallel_layout()
         raise CheckpointError(
             f"--load {root} (rank {_rank()}): written at tensor x pipeline parallel {saved[0]} x "
             f"{saved[1]}, this run is {tp} x {pp}. The distributed optimizer's state is saved per "

@@ -24,6 +24,7 @@ carries the choice of the rank that writes it, and rank 0 prints its own.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
@@ -121,7 +122,5 @@ def current_base_bytes(platform) -> int:
         import torch
 
         return int(torch.cuda.memory_allocated())
-    with open("/proc/self/statm") as fh:
-        import os
-
+    with open("/proc/self/statm") as fh:  # fields: size, resident (pages), ...
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -3,11 +3,10 @@ gloo ranks and real text. What holds for the dynamic tier must hold for core too
 same bytes, counted bytes = analytic, residuals kept and resumed), with TP and PP too. Which
 units are compressed (not the warm-up, not a unit pinned to core) is tests/unit/test_core_compressor_choice.py."""
 
-from collections import defaultdict
-
 import pytest
 
-from harness import GRPO_SMALL, SMALL_MODEL, losses, probe_with_metrics, read_metrics, run_probe, train_and_read
+from harness import (GRPO_SMALL, SMALL_MODEL, losses, probe_with_metrics, read_metrics, replica_groups,
+                     run_probe, train_and_read)
 
 CORE8 = ["--grpo-core-compressor", "int8"]
 
@@ -131,9 +130,7 @@ def test_core_int8_with_tp_and_pp(stdlib_data, tmp_path, layout):
                                     "--data-path", stdlib_data, "--train-iters", "10",
                                     "--eval-iters", "0", "--eval-interval", "10",
                                     "--metrics-file", str(metrics)])
-    groups = defaultdict(list)
-    for rank in probe["ranks"]:
-        groups[(rank[0]["tp"], rank[0]["pp"])].append(rank)
+    groups = replica_groups(probe)
     assert len(groups) == 2 and all(len(g) == 2 for g in groups.values())
     for first, other in groups.values():
         assert "c" in first[-1]["tiers"]

@@ -3,11 +3,9 @@ through megatron-core's own options, trained with GRPO on 2-4 gloo ranks: the op
 model, and every copy of every parameter holds the same bytes after every iteration, at DP2,
 TP2 x DP2 and PP2 x DP2."""
 
-from collections import defaultdict
-
 import pytest
 
-from harness import GRPO_SMALL, probe_with_metrics, run_training
+from harness import GRPO_SMALL, probe_with_metrics, replica_groups, run_training
 
 # SMALL_MODEL's shape and schedule, Llama-style layers.
 LLAMA = ["--num-layers", "2", "--hidden-size", "96", "--num-attention-heads", "4",
@@ -52,9 +50,7 @@ def test_llama_copies_agree_with_tp_and_pp(stdlib_data, tmp_path, layout):
     probe, _ = probe_with_metrics(tmp_path, 4, [*LLAMA, *GRPO_SMALL, *layout, "--data-path", stdlib_data,
                                                 "--train-iters", "10", "--eval-iters", "0",
                                                 "--eval-interval", "10"])
-    groups = defaultdict(list)
-    for rank in probe["ranks"]:
-        groups[(rank[0]["tp"], rank[0]["pp"])].append(rank)
+    groups = replica_groups(probe)
     assert len(groups) == 2 and all(len(g) == 2 for g in groups.values())
     for first, other in groups.values():
         assert "d" in first[-1]["tiers"]
