@@ -352,6 +352,14 @@ def validate(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
         cfg.offload.validate(planned=True)
     except (GRPOConfigError, OffloadConfigError) as exc:
         raise ConfigError(str(exc)) from None
+    if (cfg.grpo.enabled and not cfg.model.untie_embeddings_and_output_weights
+            and cfg.parallel.pipeline_model_parallel_size > 1):
+        # The tied copies on the first and last stage are two GRPO units that may land in
+        # different tiers (one frozen, one stepped) and drift apart; not supported.
+        raise ConfigError("--grpo with --no-untie-embeddings-and-output-weights needs "
+                          "--pipeline-model-parallel-size 1: the tied embedding's copies on the first "
+                          "and last pipeline stage would be tiered apart. Untie the output layer "
+                          "(--untie-embeddings-and-output-weights) or run PP 1")
     if cfg.offload.target != "none" and not cfg.grpo.enabled:
         raise ConfigError(f"--grpo-offload {cfg.offload.target} places GRPO's stable tier: it "
                           f"needs --grpo (the megatron baseline has no tiers)")

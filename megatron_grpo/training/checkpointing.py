@@ -192,8 +192,35 @@ def _save_failure(root: str, iteration: int, exc: BaseException) -> str:
             f"point --save elsewhere); {resume}.")
 
 
+def model_versions() -> Dict:
+    """Versions of the packages that wrote a checkpoint (None where not installed)."""
+    from importlib import metadata
+
+    def version(dist_name: str) -> Optional[str]:
+        try:
+            return metadata.version(dist_name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {"megatron_core": version("megatron-core"), "megatron_grpo": version("megatron-grpo"),
+            "torch": torch.__version__}
+
+
+def model_record(cfg, tokenizer, padded_vocab: int) -> Dict:
+    """What a checkpoint's manifest says about the model, so tools (checkpoints/grpo_ckpt.py)
+    read it without the run's flags and a load can say what differs: the model config, the
+    padded and the tokenizer's vocabulary, the tokenizer, GRPO on/off and package versions."""
+    import dataclasses
+
+    from megatron_grpo.data.tokenizer import tokenizer_spec_dict
+
+    return {"config": dataclasses.asdict(cfg.model), "padded_vocab_size": int(padded_vocab),
+            "tokenizer": tokenizer_spec_dict(tokenizer), "grpo": bool(cfg.grpo.enabled),
+            "versions": model_versions()}
+
+
 def save_checkpoint(root: str, iteration: int, built, common: Dict,
-                    rank_extra: Optional[Dict] = None) -> str:
+                    rank_extra: Optional[Dict] = None, record: Optional[Dict] = None) -> str:
     """Collective: every rank calls it. ``common`` holds plain values (iteration, data position,
     scheduler state, extra component state); rank 0 writes it. ``rank_extra`` is this rank's own
     state (e.g. error-feedback residuals), stored beside its RNG state. Returns the directory.
@@ -202,7 +229,7 @@ def save_checkpoint(root: str, iteration: int, built, common: Dict,
     from torch.distributed.checkpoint import CheckpointException
 
     try:
-        return _save_checkpoint(root, iteration, built, common, rank_extra)
+        return _save_checkpoint(root, iteration, built, common, rank_extra, record)
     except OSError as exc:
         raise CheckpointError(_save_failure(root, iteration, exc)) from exc
     except CheckpointException as exc:
@@ -212,7 +239,7 @@ def save_checkpoint(root: str, iteration: int, built, common: Dict,
 
 
 def _save_checkpoint(root: str, iteration: int, built, common: Dict,
-                     rank_extra: Optional[Dict]) -> str:
+                     rank_extra: Optional[Dict], record: Optional[Dict]) -> str:
     from megatron.core import dist_checkpointing
 
     from megatron_grpo.megatron import parallel_layout
@@ -240,17 +267,30 @@ def _save_checkpoint(root: str, iteration: int, built, common: Dict,
     os.replace(rng_path + ".part", rng_path)
     dist.barrier()
     if rank == 0:
-        files = {f: {"size": os.path.getsize(os.path.join(tmp, f)), "crc32": _crc32(os.path.join(tmp, f))}
-                 for f in _files_under(tmp)}
-        _atomic_write_text(os.path.join(tmp, MANIFEST), json.dumps(
-            {"iteration": iteration, "world_size": dist.get_world_size(), "files": files,
-             "format_version": FORMAT_VERSION, "layout": parallel_layout()}, indent=1, sort_keys=True))
+        write_manifest(tmp, iteration, dist.get_world_size(), parallel_layout(), record)
         if os.path.exists(final):  # re-saving the same iteration: replace only once complete
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _atomic_write_text(os.path.join(root, TRACKER), str(iteration))
+        write_tracker(root, iteration)
     dist.barrier()
     return final
+
+
+def write_tracker(root: str, iteration: int) -> None:
+    """Name ``iteration`` the latest complete checkpoint (atomically; after its rename)."""
+    _atomic_write_text(os.path.join(root, TRACKER), str(iteration))
+
+
+def write_manifest(ckpt_dir: str, iteration: int, world_size: int, layout, record: Optional[Dict]) -> None:
+    """Size and CRC32 of every file under ``ckpt_dir`` (written last, atomically), with the
+    iteration, the writer's world size and TP x PP layout, and the model record."""
+    files = {f: {"size": os.path.getsize(os.path.join(ckpt_dir, f)), "crc32": _crc32(os.path.join(ckpt_dir, f))}
+             for f in _files_under(ckpt_dir)}
+    manifest = {"iteration": iteration, "world_size": world_size, "files": files,
+                "format_version": FORMAT_VERSION, "layout": list(layout)}
+    if record is not None:
+        manifest["model"] = record
+    _atomic_write_text(os.path.join(ckpt_dir, MANIFEST), json.dumps(manifest, indent=1, sort_keys=True))
 
 
 def latest_iteration(root: str) -> int:
@@ -358,7 +398,45 @@ def _check_layout(root: str, ckpt_dir: str) -> None:
             f"optimizer state).")
 
 
-def load_checkpoint(root: str, built, iteration: Optional[int] = None):
+def _shape(record: Dict) -> Dict:
+    """The model-config values that decide tensor shapes, with defaults resolved."""
+    c = record["config"]
+    shape = {k: c.get(k) for k in ("num_layers", "hidden_size", "num_attention_heads", "swiglu",
+                                   "normalization", "position_embedding_type", "disable_bias_linear")}
+    shape["ffn_hidden_size"] = c.get("ffn_hidden_size") or 4 * c["hidden_size"]
+    shape["num_query_groups"] = c.get("num_query_groups") or c["num_attention_heads"]
+    shape["untie_embeddings_and_output_weights"] = c.get("untie_embeddings_and_output_weights", True)
+    if c.get("position_embedding_type", "learned_absolute") == "learned_absolute":
+        shape["max_position_embeddings"] = c.get("max_position_embeddings") or c["seq_length"]
+    shape["padded_vocab_size"] = record["padded_vocab_size"]
+    return shape
+
+
+def check_record(flag: str, path: str, manifest: Dict, record: Optional[Dict]) -> None:
+    """Refuse a checkpoint of another model shape, naming each difference; say once (rank 0)
+    when it was written with GRPO on/off otherwise or by other package versions. Checkpoints
+    written before manifests held a model record are not checked."""
+    saved = manifest.get("model")
+    if record is None or saved is None:
+        return
+    ours, theirs = _shape(record), _shape(saved)
+    diff = [f"{k} {theirs.get(k)} there, {ours.get(k)} here" for k in sorted(set(ours) | set(theirs))
+            if ours.get(k) != theirs.get(k)]
+    if diff:
+        raise CheckpointError(
+            f"{flag} {path} (rank {_rank()}): the checkpoint holds another model shape: "
+            f"{'; '.join(diff)}. Give this run the checkpoint's model flags (its manifest "
+            f"{MANIFEST} lists them), or point {flag} at a checkpoint of this model.")
+    notes = [f"{k.replace('_', '-')} {v} there, {record['versions'].get(k)} here"
+             for k, v in sorted(saved.get("versions", {}).items()) if v != record["versions"].get(k)]
+    if saved.get("grpo") != record["grpo"]:
+        notes.append(f"GRPO {'on' if saved.get('grpo') else 'off'} there, "
+                     f"{'on' if record['grpo'] else 'off'} here")
+    if notes and _rank() == 0:
+        print(f"[checkpoint] {flag} {path}: written with {'; '.join(notes)}", flush=True)
+
+
+def load_checkpoint(root: str, built, iteration: Optional[int] = None, record: Optional[Dict] = None):
     """Collective: restore model, optimizer and RNG. Returns (saved ``common`` dict, this
     rank's ``rank_extra`` dict)."""
     from megatron.core import dist_checkpointing
@@ -368,7 +446,7 @@ def load_checkpoint(root: str, built, iteration: Optional[int] = None):
     if not os.path.isdir(ckpt_dir):
         raise CheckpointError(f"--load {root}: {TRACKER} names iteration {iteration} but {ckpt_dir} "
                               f"does not exist (rank {_rank()}).")
-    verify_checkpoint(ckpt_dir)
+    check_record("--load", root, verify_checkpoint(ckpt_dir), record)
     _check_layout(root, ckpt_dir)
     _prefill_optimizer_state(built)
     template = _sharded_state(built, is_loading=True)
@@ -389,27 +467,33 @@ def load_checkpoint(root: str, built, iteration: Optional[int] = None):
     return common, rank_extra
 
 
-def load_model_weights(path: str, built) -> int:
+def load_model_weights(path: str, built, record: Optional[Dict] = None) -> int:
     """Load only the model weights (any TP/PP layout) from ``path``: a checkpoint root (its
     latest iteration) or one ``iter_*`` directory. Optimizer state, iteration and data position
     start fresh; this is how different parallel layouts start from identical weights (a seed
     checkpoint) and how converted checkpoints are used. Returns the checkpoint's iteration."""
-    from megatron.core import dist_checkpointing
-
     if os.path.isfile(os.path.join(path, TRACKER)):
         path = iteration_dir(path, latest_iteration(path))
     if not os.path.isdir(path):
         raise CheckpointError(f"--init-from {path}: no such checkpoint directory (rank {_rank()}).")
     manifest = verify_checkpoint(path)
-    template = {"model": unwrap(built.ddp_model[0]).sharded_state_dict(metadata=SHARDING)}
-    loaded = dist_checkpointing.load(template, path)
-    unwrap(built.ddp_model[0]).load_state_dict(loaded["model"])
+    check_record("--init-from", path, manifest, record)
+    load_model_state(unwrap(built.ddp_model[0]), path)
     # The distributed optimizer keeps fp32 main copies of bf16 params: refresh them.
     for opt in optimizer_list(built.optimizer):
         reload = getattr(opt, "reload_model_params", None)
         if reload is not None:
             reload()
     return int(manifest["iteration"])
+
+
+def load_model_state(model, ckpt_dir: str) -> None:
+    """Collective: read a GPTModel's weights from ``ckpt_dir`` (an iter_* directory) in this
+    run's layout, whatever layout wrote it (dist_checkpointing reshards)."""
+    from megatron.core import dist_checkpointing
+
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict(metadata=SHARDING)}, ckpt_dir)
+    model.load_state_dict(loaded["model"])
 
 
 def _rank() -> int:

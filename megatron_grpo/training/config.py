@@ -51,6 +51,9 @@ class ModelConfig:
     """RoPE base (Llama-3: 500000); used with --position-embedding-type rope."""
     disable_bias_linear: bool = False
     """No biases in the linear layers (Llama-style; megatron add_bias_linear=False)."""
+    untie_embeddings_and_output_weights: bool = True
+    """Separate input embedding and output layer weights (megatron-core GPTModel's default and
+    Llama's); --no-untie-embeddings-and-output-weights ties them (GPT-2; Megatron-LM's default)."""
     recompute_granularity: Optional[str] = None
     """Activation recompute: full (a layer keeps only its input and is recomputed in backward)
     or selective (megatron's choice of cheap-to-recompute attention parts); None = off."""

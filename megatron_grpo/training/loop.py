@@ -192,6 +192,8 @@ def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption) -> RunSu
                         ddp_class=hooks.ddp_class, bucket_size=hooks.bucket_size)
     hooks.after_build(built)
 
+    # The model record goes into every checkpoint's manifest and is checked against at load.
+    model_rec = checkpointing.model_record(cfg, tokenizer, built.vocab_size)
     start_iter, consumed = 0, 0
     load = cfg.checkpoint.load
     if load and cfg.checkpoint.save and os.path.abspath(load) == os.path.abspath(cfg.checkpoint.save) \
@@ -203,14 +205,14 @@ def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption) -> RunSu
                   f"starting from scratch", flush=True)
         load = None
     if load:
-        common, rank_extra = checkpointing.load_checkpoint(load, built)
+        common, rank_extra = checkpointing.load_checkpoint(load, built, record=model_rec)
         start_iter = int(common["iteration"])
         consumed = int(common["consumed_samples"])
         built.scheduler.load_state_dict(common["scheduler"])
         hooks.load_state(common.get("extensions", {}))
         hooks.load_rank_state(rank_extra)
     elif cfg.checkpoint.init_from:
-        checkpointing.load_model_weights(cfg.checkpoint.init_from, built)
+        checkpointing.load_model_weights(cfg.checkpoint.init_from, built, model_rec)
 
     train_iter = MicroBatchIterator(train_ds, consumed, mbs, dp_rank, dp_size)
     forward_step = ForwardStep(seq, platform.device)
@@ -230,7 +232,7 @@ def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption) -> RunSu
         hooks.before_save()
         checkpointing.save_checkpoint(cfg.checkpoint.save, 0, built, {
             "consumed_samples": 0, "scheduler": built.scheduler.state_dict(),
-            "extensions": hooks.checkpoint_state()}, hooks.rank_state())
+            "extensions": hooks.checkpoint_state()}, hooks.rank_state(), model_rec)
     step_times: List[float] = []
     logged, wire_after_first = 0, 0
     rss_high, device_high = 0, 0
@@ -309,7 +311,7 @@ def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption) -> RunSu
                 "consumed_samples": train_iter.consumed_samples,
                 "scheduler": built.scheduler.state_dict(),
                 "extensions": hooks.checkpoint_state(),
-            }, hooks.rank_state())
+            }, hooks.rank_state(), model_rec)
             counter.reset()
         if writer:
             logger.log(record)

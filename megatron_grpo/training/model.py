@@ -120,14 +120,13 @@ class BuiltModel:
     """'local' or 'transformer_engine'."""
 
 
-def build_model(cfg: PretrainConfig, platform: Platform, tokenizer_vocab_size: int,
-                optimizer_factory=None, ddp_class=None, bucket_size=None) -> BuiltModel:
-    """GPTModel -> megatron DDP -> megatron optimizer (or ``optimizer_factory``'s)."""
+def build_gpt_model(cfg: PretrainConfig, platform: Platform, tokenizer_vocab_size: int,
+                    padded_vocab: Optional[int] = None):
+    """The megatron-core GPTModel of this rank's pipeline stage (on CPU, not yet moved):
+    (model, TransformerConfig, spec name, padded vocabulary). ``padded_vocab`` overrides the
+    padding rule (a converter building a checkpoint's model at another TP size)."""
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed import finalize_model_grads
     from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     tf_config = transformer_config(cfg, platform)
     spec, spec_name = layer_spec(platform, cfg.model.normalization)
@@ -139,7 +138,7 @@ def build_model(cfg: PretrainConfig, platform: Platform, tokenizer_vocab_size: i
         raise ConfigError(f"rank {torch.distributed.get_rank()}: --sequence-parallel needs the "
                           f"transformer-engine layer spec (CUDA with transformer-engine installed): "
                           f"megatron-core's local spec norms do not support it")
-    vocab = padded_vocab_size(tokenizer_vocab_size, cfg)
+    vocab = padded_vocab or padded_vocab_size(tokenizer_vocab_size, cfg)
     model = GPTModel(
         config=tf_config,
         transformer_layer_spec=spec,
@@ -147,9 +146,21 @@ def build_model(cfg: PretrainConfig, platform: Platform, tokenizer_vocab_size: i
         max_sequence_length=cfg.model.max_position_embeddings or cfg.model.seq_length,
         position_embedding_type=cfg.model.position_embedding_type,
         rotary_base=cfg.model.rotary_base,
+        share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),
     )
+    return model, tf_config, spec_name, vocab
+
+
+def build_model(cfg: PretrainConfig, platform: Platform, tokenizer_vocab_size: int,
+                optimizer_factory=None, ddp_class=None, bucket_size=None) -> BuiltModel:
+    """GPTModel -> megatron DDP -> megatron optimizer (or ``optimizer_factory``'s)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    model, tf_config, spec_name, vocab = build_gpt_model(cfg, platform, tokenizer_vocab_size)
     if not platform.cpu_mode:
         model = model.to(platform.device)
     num_params = sum(p.numel() for p in model.parameters())
