@@ -23,6 +23,14 @@ SMALL_MODEL = ["--num-layers", "2", "--hidden-size", "96", "--num-attention-head
                "--ddp-bucket-size", "20000", "--log-interval", "1000", "--eval-iters", "2",
                "--seed", "7"]
 
+# SMALL_MODEL's shape and schedule, Llama-style layers.
+LLAMA_SMALL = ["--num-layers", "2", "--hidden-size", "96", "--num-attention-heads", "4",
+               "--num-query-groups", "2", "--ffn-hidden-size", "256", "--swiglu", "--normalization", "RMSNorm",
+               "--position-embedding-type", "rope", "--rotary-base", "500000", "--disable-bias-linear",
+               "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
+               "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "4", "--log-interval", "1000",
+               "--eval-iters", "2", "--seed", "7"]
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -124,16 +124,18 @@ class MegatronModel:
             dist.destroy_process_group()
 
 
-def tokenizer_of(record: Dict, tokenizer_dir: Optional[str] = None):
-    """The tokenizer a checkpoint was trained with (its record), or the one in ``tokenizer_dir``."""
+def tokenizer_of(record: Dict):
+    """The tokenizer a checkpoint was trained with (its record). A model converted from an HF
+    directory without tokenizer files is checked on the text's UTF-8 bytes as ids."""
     from megatron_grpo.data.tokenizer import ByteTokenizer, HFTokenizer
 
-    if tokenizer_dir:
-        return HFTokenizer(tokenizer_dir)
     spec = record["tokenizer"]
-    if spec["type"] == "byte":
-        return ByteTokenizer()
-    return HFTokenizer(spec["path"])
+    if spec["type"] == "hf":
+        return HFTokenizer(spec["path"])
+    if spec["type"] == "none" and int(spec["vocab_size"]) < 256:
+        raise ValueError(f"no tokenizer recorded and a vocabulary of {spec['vocab_size']} (< 256): "
+                         f"byte ids would not fit; convert from a directory with tokenizer files")
+    return ByteTokenizer()
 
 
 def check(megatron: "MegatronModel", hf_dir: str, tokens: torch.Tensor) -> Agreement:

@@ -206,7 +206,21 @@ def model_versions() -> Dict:
             "torch": torch.__version__}
 
 
-def model_record(cfg, tokenizer, padded_vocab: int) -> Dict:
+def bucket_layout(cfg, grpo_bucket_size: Optional[int], dp: int) -> Dict:
+    """DDP bucket sizes (elements) on the first and on later pipeline stages; None = one bucket
+    per buffer. The distributed optimizer's state is saved per bucket (dp_reshardable), so a
+    resume needs the same buckets. megatron makes one bucket on later stages and without
+    overlap_grad_reduce; GRPO (megatron_grpo.megatron.ddp) keeps its buckets everywhere.
+    ``later_stages`` is None at pipeline-parallel size 1 (there are none)."""
+    later_exist = cfg.parallel.pipeline_model_parallel_size > 1
+    if grpo_bucket_size:
+        return {"first_stage": int(grpo_bucket_size),
+                "later_stages": int(grpo_bucket_size) if later_exist else None}
+    first = (cfg.parallel.ddp_bucket_size or max(40000000, 1000000 * dp)) if cfg.parallel.overlap_grad_reduce else None
+    return {"first_stage": first, "later_stages": None}
+
+
+def model_record(cfg, tokenizer, padded_vocab: int, buckets: Optional[Dict] = None) -> Dict:
     """What a checkpoint's manifest says about the model, so tools (checkpoints/grpo_ckpt.py)
     read it without the run's flags and a load can say what differs: the model config, the
     padded and the tokenizer's vocabulary, the tokenizer, GRPO on/off and package versions."""
@@ -216,7 +230,7 @@ def model_record(cfg, tokenizer, padded_vocab: int) -> Dict:
 
     return {"config": dataclasses.asdict(cfg.model), "padded_vocab_size": int(padded_vocab),
             "tokenizer": tokenizer_spec_dict(tokenizer), "grpo": bool(cfg.grpo.enabled),
-            "versions": model_versions()}
+            "versions": model_versions(), "optimizer_buckets": buckets}
 
 
 def save_checkpoint(root: str, iteration: int, built, common: Dict,
@@ -408,7 +422,9 @@ def _shape(record: Dict) -> Dict:
     shape["untie_embeddings_and_output_weights"] = c.get("untie_embeddings_and_output_weights", True)
     if c.get("position_embedding_type", "learned_absolute") == "learned_absolute":
         shape["max_position_embeddings"] = c.get("max_position_embeddings") or c["seq_length"]
-    shape["padded_vocab_size"] = record["padded_vocab_size"]
+    # The tokenizer's vocabulary, not the padded one: padding follows TP, and megatron loads the
+    # embedding and output layer across it (allow_shape_mismatch).
+    shape["vocab_size"] = record["tokenizer"]["vocab_size"]
     return shape
 
 
@@ -427,6 +443,19 @@ def check_record(flag: str, path: str, manifest: Dict, record: Optional[Dict]) -
             f"{flag} {path} (rank {_rank()}): the checkpoint holds another model shape: "
             f"{'; '.join(diff)}. Give this run the checkpoint's model flags (its manifest "
             f"{MANIFEST} lists them), or point {flag} at a checkpoint of this model.")
+    theirs_b, ours_b = saved.get("optimizer_buckets"), record.get("optimizer_buckets")
+    if flag == "--load" and theirs_b and ours_b and theirs_b != ours_b:
+        if theirs_b["later_stages"] is not None and ours_b["later_stages"] is None and not record["grpo"]:
+            how = ("it was written by GRPO, whose buckets megatron rebuilds only at pipeline-parallel "
+                   "size 1 with overlapped gradient reduce: resume with --ddp-bucket-size "
+                   f"{theirs_b['first_stage']} at --pipeline-model-parallel-size 1, or with --grpo")
+        else:
+            how = f"resume with the same bucket size (--ddp-bucket-size or --grpo-bucket-mb)"
+        raise CheckpointError(
+            f"--load {path} (rank {_rank()}): the distributed optimizer's state is saved per DDP "
+            f"bucket; buckets there: {theirs_b}, here: {ours_b} (elements; None = one bucket). "
+            f"{how[0].upper() + how[1:]}; or start from its weights with --init-from {path} "
+            f"(fresh optimizer state).")
     notes = [f"{k.replace('_', '-')} {v} there, {record['versions'].get(k)} here"
              for k, v in sorted(saved.get("versions", {}).items()) if v != record["versions"].get(k)]
     if saved.get("grpo") != record["grpo"]:
@@ -446,8 +475,9 @@ def load_checkpoint(root: str, built, iteration: Optional[int] = None, record: O
     if not os.path.isdir(ckpt_dir):
         raise CheckpointError(f"--load {root}: {TRACKER} names iteration {iteration} but {ckpt_dir} "
                               f"does not exist (rank {_rank()}).")
-    check_record("--load", root, verify_checkpoint(ckpt_dir), record)
+    manifest = verify_checkpoint(ckpt_dir)
     _check_layout(root, ckpt_dir)
+    check_record("--load", root, manifest, record)
     _prefill_optimizer_state(built)
     template = _sharded_state(built, is_loading=True)
     template["common"] = {}

@@ -193,7 +193,8 @@ def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption) -> RunSu
     hooks.after_build(built)
 
     # The model record goes into every checkpoint's manifest and is checked against at load.
-    model_rec = checkpointing.model_record(cfg, tokenizer, built.vocab_size)
+    model_rec = checkpointing.model_record(cfg, tokenizer, built.vocab_size,
+                                           checkpointing.bucket_layout(cfg, hooks.bucket_size, dp_size))
     start_iter, consumed = 0, 0
     load = cfg.checkpoint.load
     if load and cfg.checkpoint.save and os.path.abspath(load) == os.path.abspath(cfg.checkpoint.save) \

@@ -5,15 +5,9 @@ TP2 x DP2 and PP2 x DP2."""
 
 import pytest
 
-from harness import GRPO_SMALL, probe_with_metrics, replica_groups, run_training
+from harness import GRPO_SMALL, LLAMA_SMALL, probe_with_metrics, replica_groups, run_training
 
-# SMALL_MODEL's shape and schedule, Llama-style layers.
-LLAMA = ["--num-layers", "2", "--hidden-size", "96", "--num-attention-heads", "4",
-         "--num-query-groups", "2", "--ffn-hidden-size", "256", "--swiglu", "--normalization", "RMSNorm",
-         "--position-embedding-type", "rope", "--rotary-base", "500000", "--disable-bias-linear",
-         "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
-         "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "4", "--log-interval", "1000",
-         "--eval-iters", "2", "--seed", "7"]
+LLAMA = LLAMA_SMALL
 
 
 def _expected_params(h=96, heads=4, groups=2, ffn=256, layers=2, vocab=384):

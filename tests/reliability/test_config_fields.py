@@ -34,6 +34,8 @@ RANGE = {
     "model.normalization": ["--normalization", "BatchNorm"],
     "model.position_embedding_type": ["--position-embedding-type", "alibi"],
     "model.rotary_base": ["--rotary-base", "0"], "model.disable_bias_linear": None,
+    "model.untie_embeddings_and_output_weights": ["--grpo", "--no-untie-embeddings-and-output-weights",
+                                                  "--pipeline-model-parallel-size", "2"],
     "model.recompute_granularity": ["--recompute-granularity", "everything"],
     "model.recompute_method": ["--recompute-granularity", "full", "--recompute-method", "random"],
     "model.recompute_num_layers": ["--recompute-granularity", "full", "--recompute-method", "block",
