@@ -4,6 +4,9 @@ Your own text (files, folders searched for .txt/.md/.rst/.py/.jsonl, JSONL with 
     python launch/preprocess_data.py --input docs/ notes.txt data.jsonl --output-prefix data/mine
 The default corpus (the Python standard library, offline everywhere, byte tokenizer):
     python launch/preprocess_data.py --default-corpus --output-prefix data/stdlib
+The same with the shipped byte-level BPE (4096 tokens, trained offline on that corpus):
+    python launch/preprocess_data.py --default-corpus --output-prefix data/stdlib-bpe \
+        --tokenizer-model launch/tokenizers/stdlib-bpe-4k
 A local Hugging Face tokenizer instead of bytes (needs `pip install transformers`):
     python launch/preprocess_data.py --input docs/ --output-prefix data/mine --tokenizer-model /path/to/tok
 
@@ -27,9 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-prefix", required=True, metavar="PREFIX",
                    help="write PREFIX.bin, PREFIX.idx and PREFIX.meta.json")
     p.add_argument("--default-corpus", action="store_true",
-                   help="build the Python standard library corpus (byte tokenizer) instead of --input")
+                   help="build the Python standard library corpus instead of --input (with the byte "
+                        "tokenizer unless --tokenizer-model is given)")
     p.add_argument("--tokenizer-model", metavar="PATH", default=None,
-                   help="local Hugging Face tokenizer folder; default: byte tokenizer")
+                   help="local Hugging Face tokenizer folder (e.g. the shipped BPE "
+                        "launch/tokenizers/stdlib-bpe-4k, or one of launch/train_tokenizer.py); "
+                        "default: byte tokenizer")
     p.add_argument("--seed", type=int, default=1234, help="document shuffle seed (default 1234)")
     p.add_argument("--doc-chars", type=int, default=4096, metavar="N",
                    help="cut plain text longer than N characters at blank lines into documents of "
@@ -43,8 +49,6 @@ def main(argv=None) -> int:
     if args.default_corpus:
         if args.input:
             parser.error("--input and --default-corpus exclude each other: give one of them")
-        if args.tokenizer_model:
-            parser.error("--default-corpus always uses the byte tokenizer: drop --tokenizer-model")
     elif not args.input:
         parser.error("--input is required (one or more files/folders), or pass --default-corpus")
     if args.doc_chars < 0:
@@ -58,10 +62,10 @@ def main(argv=None) -> int:
 
     t0 = time.time()
     try:
+        tok = build_tokenizer(args.tokenizer_model)
         if args.default_corpus:
-            build_default_dataset(args.output_prefix, seed=args.seed)
+            build_default_dataset(args.output_prefix, seed=args.seed, tokenizer=tok)
         else:
-            tok = build_tokenizer(args.tokenizer_model)
             meta = preprocess(args.input, args.output_prefix, tokenizer=tok, seed=args.seed,
                               doc_chars=args.doc_chars)
             print(f"wrote {args.output_prefix}.bin/.idx/.meta.json: {describe(meta)} "

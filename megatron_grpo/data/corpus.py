@@ -78,8 +78,10 @@ def default_corpus_documents(root: Optional[str] = None) -> List[str]:
     return docs
 
 
-def build_default_dataset(prefix: str, seed: int = 1234, verbose: bool = True) -> Dict[str, Any]:
-    """Build the default corpus at ``prefix`` with the byte tokenizer; returns its meta dict.
+def build_default_dataset(prefix: str, seed: int = 1234, verbose: bool = True,
+                          tokenizer=None) -> Dict[str, Any]:
+    """Build the default corpus at ``prefix`` with ``tokenizer`` (default: the byte tokenizer;
+    e.g. the shipped BPE, launch/tokenizers/stdlib-bpe-4k); returns its meta dict.
 
     Skipped when ``prefix`` already holds a complete, verified build of this corpus (meta
     present, ``.idx`` sha256 and ``.bin`` size matching). A different dataset at ``prefix`` is an
@@ -96,7 +98,9 @@ def build_default_dataset(prefix: str, seed: int = 1234, verbose: bool = True) -
                 f"{meta.get('corpus', {}).get('name')!r}, sources {meta.get('sources')}); choose "
                 f"another --output-prefix for the default corpus or delete {prefix}.*"
             )
-        if meta.get("seed") == seed:
+        from megatron_grpo.data.tokenizer import tokenizer_spec_dict
+
+        if meta.get("seed") == seed and meta.get("tokenizer") == tokenizer_spec_dict(tokenizer or ByteTokenizer()):
             if verbose:
                 print(f"default corpus already built at {prefix}: {describe(meta)}")
             return meta
@@ -105,7 +109,7 @@ def build_default_dataset(prefix: str, seed: int = 1234, verbose: bool = True) -
     root = stdlib_root()
     docs = default_corpus_documents(root)
     corpus = dict(DEFAULT_CORPUS_INFO, python=platform.python_version(), num_files=len(docs))
-    meta = write_indexed_dataset(docs, prefix, ByteTokenizer(), seed=seed, sources=[root],
+    meta = write_indexed_dataset(docs, prefix, tokenizer or ByteTokenizer(), seed=seed, sources=[root],
                                  extra_meta={"corpus": corpus})
     if verbose:
         print(f"built default corpus ({corpus['name']}, Python {corpus['python']}) at {prefix}: "

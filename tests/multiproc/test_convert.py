@@ -228,3 +228,31 @@ def test_load_of_another_model_shape_names_the_difference(gpt_tied_ckpt, stdlib_
     # ffn_hidden_size follows (4 x hidden): every difference is named
     assert ("the checkpoint holds another model shape: ffn_hidden_size 384 there, 256 here; hidden_size 96 "
             "there, 64 here") in text, text[-3000:]
+
+
+def test_a_run_with_the_shipped_bpe_tokenizer_converts_with_its_tokenizer(tmp_path):
+    import sysconfig
+
+    from megatron_grpo.data.tokenizer import HFTokenizer
+
+    shipped = os.path.join(REPO, "launch", "tokenizers", "stdlib-bpe-4k")
+    lib = sysconfig.get_paths()["stdlib"]
+    data = str(tmp_path / "bpe")
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "launch", "preprocess_data.py"), "--input",
+                           *(os.path.join(lib, n) for n in ("argparse.py", "difflib.py", "textwrap.py", "shlex.py")),
+                           "--output-prefix", data, "--tokenizer-model", shipped],
+                          cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    ck = str(tmp_path / "ck")
+    run_training(1, [*LLAMA_SMALL, "--data-path", data, "--train-iters", "4", "--eval-interval", "4",
+                     "--eval-iters", "1", "--global-batch-size", "2", "--save", ck, "--save-interval", "4"])
+    hf = str(tmp_path / "hf")
+    out = tool("to-hf", ck, hf, "--verify").stdout
+    assert "tokenizer of " + shipped in out
+    kl, top1 = kl_top1(out)
+    assert kl < 1e-6 and top1 == 1.0
+    assert json.load(open(os.path.join(hf, "config.json")))["vocab_size"] == 4096
+    from transformers import AutoTokenizer
+
+    text = open(os.path.join(lib, "textwrap.py")).read()[:2000]
+    assert AutoTokenizer.from_pretrained(hf)(text)["input_ids"] == HFTokenizer(shipped).tokenize(text)
