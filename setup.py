@@ -29,6 +29,9 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "transformers"],
+        # checkpoints/grpo_ckpt.py to-hf / from-hf, HF tokenizers (tokenizers and safetensors
+        # come with transformers)
+        "convert": ["transformers"],
         "gpu": ["transformer-engine[pytorch]"],
     },
 )

@@ -125,8 +125,12 @@ def main(argv=None) -> int:
                   f"{'identical tensors' if not diff else 'DIFFERENT: ' + ', '.join(diff[:8])}", flush=True)
             return 0 if ok and not diff else 1
         return 0
-    except (CheckpointError, ConversionError) as exc:
+    except (CheckpointError, ConversionError, ValueError, FileNotFoundError) as exc:
         print(f"grpo_ckpt.py {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except ImportError as exc:
+        print(f"grpo_ckpt.py {args.command}: {exc}. The conversions need Hugging Face transformers: "
+              f"pip install -e .[convert]", file=sys.stderr)
         return 2
 
 

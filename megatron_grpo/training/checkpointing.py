@@ -450,7 +450,7 @@ def check_record(flag: str, path: str, manifest: Dict, record: Optional[Dict]) -
                    "size 1 with overlapped gradient reduce: resume with --ddp-bucket-size "
                    f"{theirs_b['first_stage']} at --pipeline-model-parallel-size 1, or with --grpo")
         else:
-            how = f"resume with the same bucket size (--ddp-bucket-size or --grpo-bucket-mb)"
+            how = "resume with the same bucket size (--ddp-bucket-size or --grpo-bucket-mb)"
         raise CheckpointError(
             f"--load {path} (rank {_rank()}): the distributed optimizer's state is saved per DDP "
             f"bucket; buckets there: {theirs_b}, here: {ours_b} (elements; None = one bucket). "
