@@ -204,6 +204,9 @@ class GRPOController:
         self.step = StepPlan()
         self.tiered = False
         self.retier_pending = False
+        # Iteration the exact warm-up counts from: 0, or a resume without GRPO state (another
+        # layout with --no-load-optim, a baseline checkpoint) at its first step; None until then.
+        self.warmup_origin: Optional[int] = None
         self.events: List[Dict] = []
         self._new_events: List[Dict] = []
         self.pending_events: List[Dict] = []
@@ -230,12 +233,18 @@ class GRPOController:
         """Called before iteration ``iteration + 1`` runs (``iteration`` steps are done)."""
         c = self.config
         k = iteration + 1
+        if self.warmup_origin is None and iteration > 0:
+            self.note_event(f"resumed at iteration {iteration} without GRPO state (--no-load-optim, "
+                             f"or a checkpoint written without --grpo): a new exact warm-up of "
+                             f"{c.warmup_iters} iterations starts")
         # Events noted before the first step (a resume at another world size) show in its record.
         self._new_events, self.pending_events = self.pending_events, []
         for event in self._new_events:
             event["iteration"] = k
-        if k - 1 >= c.warmup_iters and (not self.tiered or
-                                        (k - 1 - c.warmup_iters) % c.retier_interval == 0):
+        if self.warmup_origin is None:
+            self.warmup_origin = iteration
+        done = k - 1 - self.warmup_origin  # steps since the warm-up began
+        if done >= c.warmup_iters and (not self.tiered or (done - c.warmup_iters) % c.retier_interval == 0):
             self.retier_pending = True
         never = c.stable_interval == 0  # static freeze: stable units are never updated
         if self.retier_pending and (never or (k - 1) % c.stable_interval == 0):
@@ -253,6 +262,16 @@ class GRPOController:
         self.importance_timer.reset()
         self.wait_timer_.reset()
         self._apply_freezing()
+
+    def note_event(self, reason: str) -> Dict:
+        """An event of the next step (in its record's grpo_retier; its iteration is set there),
+        kept in the checkpointed events and printed by rank 0."""
+        event = {"iteration": None, "reason": reason, "moved": 0, "shares": self.shares(), "moves": []}
+        self.events.append(event)
+        self.pending_events.append(event)
+        if dist.get_rank() == 0:
+            print(f"[grpo] {reason}", flush=True)
+        return event
 
     def note_nonfinite(self, found: bool) -> None:
         """An optimizer found a non-finite gradient (agreed over all ranks): the step is skipped.
@@ -547,7 +566,8 @@ class GRPOController:
         return {"tiers": list(self.replica_tiers), "tiered": self.tiered,
                 "retier_pending": self.retier_pending, "events": self.events,
                 "remediations": self.remediations, "skipped_steps": self.skipped_steps,
-                "core_exact": self.core_exact, **self.health.state_dict()}
+                "core_exact": self.core_exact, "warmup_origin": self.warmup_origin or 0,
+                **self.health.state_dict()}
 
     def rank_state(self) -> Dict:
         """Differs per rank: residuals, local importance, delayed accumulators, carries."""
@@ -572,6 +592,7 @@ class GRPOController:
         self.health.load_state_dict(state)
         self.skipped_steps = state.get("skipped_steps", 0)
         self.core_exact = state.get("core_exact", False)  # absent before the core monitor
+        self.warmup_origin = state.get("warmup_origin", 0)  # absent before --no-load-optim
 
     def load_rank_state(self, state: Dict) -> None:
         if not state:

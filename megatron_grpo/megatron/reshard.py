@@ -10,7 +10,8 @@ the Adam step counters (GRPO skips stable units, so they differ by unit; megatro
 keeps one, the largest), gathered into the common state at save and restored by parameter name.
 The tier map is the replica's and is kept. Another TP/PP layout is refused at load time
 (megatron_grpo.training.checkpointing: the optimizer state is saved per data-parallel shard);
---init-from starts any layout from the weights.
+--load with --no-load-optim resumes it without optimizer and GRPO state (a new exact warm-up,
+GRPOController.begin_step), --init-from starts any layout from the weights alone.
 """
 
 from __future__ import annotations
@@ -63,9 +64,4 @@ def resume_elsewhere(built, ctrl, saved: Dict) -> Dict:
               + (f", {missing} kept megatron's largest step (no saved counter: another pipeline "
                  f"layout or an older checkpoint)" if missing else "")
               + "; tier map kept")
-    event = {"iteration": None, "reason": reason, "moved": 0, "shares": ctrl.shares(), "moves": []}
-    ctrl.events.append(event)
-    ctrl.pending_events.append(event)  # its iteration: the first step's (GRPOController.begin_step)
-    if dist.get_rank() == 0:
-        print(f"[grpo] {reason}", flush=True)
-    return event
+    return ctrl.note_event(reason)

@@ -408,8 +408,9 @@ def _check_layout(root: str, ckpt_dir: str) -> None:
             f"{saved[1]}, this run is {tp} x {pp}. The distributed optimizer's state is saved per "
             f"data-parallel shard, so a resume may change the data-parallel size but not TP or PP. "
             f"Resume with --tensor-model-parallel-size {saved[0]} --pipeline-model-parallel-size "
-            f"{saved[1]}, or start this layout from its weights with --init-from {root} (fresh "
-            f"optimizer state).")
+            f"{saved[1]}; resume in this layout without the optimizer state with --no-load-optim "
+            f"(iteration and data position kept); or start this layout from its weights with "
+            f"--init-from {root} (fresh optimizer state).")
 
 
 def _shape(record: Dict) -> Dict:
@@ -465,9 +466,12 @@ def check_record(flag: str, path: str, manifest: Dict, record: Optional[Dict]) -
         print(f"[checkpoint] {flag} {path}: written with {'; '.join(notes)}", flush=True)
 
 
-def load_checkpoint(root: str, built, iteration: Optional[int] = None, record: Optional[Dict] = None):
+def load_checkpoint(root: str, built, iteration: Optional[int] = None, record: Optional[Dict] = None,
+                    load_optim: bool = True):
     """Collective: restore model, optimizer and RNG. Returns (saved ``common`` dict, this
-    rank's ``rank_extra`` dict)."""
+    rank's ``rank_extra`` dict). ``load_optim=False`` (--no-load-optim): model and common state
+    only, in any TP/PP layout; the common state's ``extensions`` and the rank's extra come back
+    empty (their per-unit and per-rank state belongs to the saved optimizer's layout)."""
     from megatron.core import dist_checkpointing
 
     iteration = latest_iteration(root) if iteration is None else iteration
@@ -476,6 +480,8 @@ def load_checkpoint(root: str, built, iteration: Optional[int] = None, record: O
         raise CheckpointError(f"--load {root}: {TRACKER} names iteration {iteration} but {ckpt_dir} "
                               f"does not exist (rank {_rank()}).")
     manifest = verify_checkpoint(ckpt_dir)
+    if not load_optim:
+        return _load_without_optimizer(root, ckpt_dir, manifest, built, record)
     _check_layout(root, ckpt_dir)
     check_record("--load", root, manifest, record)
     _prefill_optimizer_state(built)
@@ -497,6 +503,33 @@ def load_checkpoint(root: str, built, iteration: Optional[int] = None, record: O
     return common, rank_extra
 
 
+def _load_without_optimizer(root: str, ckpt_dir: str, manifest: Dict, built, record: Optional[Dict]):
+    from megatron.core import dist_checkpointing
+
+    check_record("--init-from", root, manifest, record)  # the shape; buckets do not matter here
+    loaded = dist_checkpointing.load(
+        {"model": unwrap(built.ddp_model[0]).sharded_state_dict(metadata=SHARDING), "common": {}}, ckpt_dir)
+    unwrap(built.ddp_model[0]).load_state_dict(loaded["model"])
+    _refresh_main_params(built)
+    common = dict(loaded.get("common", {}), extensions={})
+    if _rank() == 0:
+        layout = manifest.get("layout")
+        print(f"[checkpoint] --load {root} --no-load-optim: model weights, iteration "
+              f"{common.get('iteration')}, data position and lr schedule restored (written at tensor x "
+              f"pipeline parallel {layout[0] if layout else '?'} x {layout[1] if layout else '?'}, world "
+              f"size {manifest.get('world_size')}); optimizer state starts at zero, per-rank RNG and "
+              f"GRPO state start fresh", flush=True)
+    return common, {}
+
+
+def _refresh_main_params(built) -> None:
+    """The distributed optimizer keeps fp32 main copies of bf16 params: refresh them."""
+    for opt in optimizer_list(built.optimizer):
+        reload = getattr(opt, "reload_model_params", None)
+        if reload is not None:
+            reload()
+
+
 def load_model_weights(path: str, built, record: Optional[Dict] = None) -> int:
     """Load only the model weights (any TP/PP layout) from ``path``: a checkpoint root (its
     latest iteration) or one ``iter_*`` directory. Optimizer state, iteration and data position
@@ -509,11 +542,7 @@ def load_model_weights(path: str, built, record: Optional[Dict] = None) -> int:
     manifest = verify_checkpoint(path)
     check_record("--init-from", path, manifest, record)
     load_model_state(unwrap(built.ddp_model[0]), path)
-    # The distributed optimizer keeps fp32 main copies of bf16 params: refresh them.
-    for opt in optimizer_list(built.optimizer):
-        reload = getattr(opt, "reload_model_params", None)
-        if reload is not None:
-            reload()
+    _refresh_main_params(built)
     return int(manifest["iteration"])
 
 

@@ -157,6 +157,11 @@ class CheckpointSettings:
     init_from: Optional[str] = None
     """Start from the model weights of this checkpoint (any TP/PP layout), with fresh optimizer,
     iteration 0 and data position 0. --train-iters 0 --save DIR writes such a seed checkpoint."""
+    load_optim: bool = True
+    """With --load: also restore the optimizer state. --no-load-optim restores the weights,
+    iteration, data position and lr schedule only (Adam state starts at zero; per-rank RNG and
+    GRPO state start fresh, GRPO with a new exact warm-up): the way to resume in another TP/PP
+    layout, whose optimizer shards do not match."""
 
 
 @dataclass

@@ -206,7 +206,8 @@ def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption) -> RunSu
                   f"starting from scratch", flush=True)
         load = None
     if load:
-        common, rank_extra = checkpointing.load_checkpoint(load, built, record=model_rec)
+        common, rank_extra = checkpointing.load_checkpoint(load, built, record=model_rec,
+                                                            load_optim=cfg.checkpoint.load_optim)
         start_iter = int(common["iteration"])
         consumed = int(common["consumed_samples"])
         built.scheduler.load_state_dict(common["scheduler"])

@@ -256,3 +256,20 @@ def test_a_run_with_the_shipped_bpe_tokenizer_converts_with_its_tokenizer(tmp_pa
 
     text = open(os.path.join(lib, "textwrap.py")).read()[:2000]
     assert AutoTokenizer.from_pretrained(hf)(text)["input_ids"] == HFTokenizer(shipped).tokenize(text)
+
+
+def test_a_checkpoint_of_other_versions_is_loaded_and_named(gpt_tied_ckpt, stdlib_data, tmp_path):
+    import shutil
+
+    copy = str(tmp_path / "ck")
+    shutil.copytree(gpt_tied_ckpt, copy)
+    manifest = os.path.join(copy, "iter_0000008", "megatron_grpo_manifest.json")
+    m = json.load(open(manifest))
+    ours = m["model"]["versions"]["megatron_core"]
+    m["model"]["versions"].update(megatron_core="0.15.0", megatron_grpo="0.0.9")
+    json.dump(m, open(manifest, "w"))
+    proc = run_training(2, [*SMALL_MODEL, *GRPO_SMALL, "--data-path", stdlib_data,
+                            "--no-untie-embeddings-and-output-weights", "--train-iters", "9",
+                            "--eval-interval", "9", "--eval-iters", "1", "--load", copy])
+    assert (f"[checkpoint] --load {copy}: written with megatron-core 0.15.0 there, {ours} here; "
+            f"megatron-grpo 0.0.9 there, 0.1.0 here") in proc.stdout

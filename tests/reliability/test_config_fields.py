@@ -56,7 +56,7 @@ RANGE = {
     "training.cpu": None, "training.exit_after_iter": ["--exit-after-iter", "0"],
     "data.data_path": [], "data.split": ["--split", "98,2"], "data.data_cache_dir": None,
     "checkpoint.save": None, "checkpoint.save_interval": ["--save-interval", "0", "--save", "d"],
-    "checkpoint.load": ["--load", "a", "--init-from", "b"], "checkpoint.init_from": ["--init-from", "b", "--load", "a"],
+    "checkpoint.load": ["--load", "a", "--init-from", "b"], "checkpoint.init_from": ["--init-from", "b", "--load", "a"], "checkpoint.load_optim": None,
     "logging.log_interval": ["--log-interval", "0"], "logging.eval_interval": ["--eval-interval", "0"],
     "logging.eval_iters": ["--eval-iters", "-1"], "logging.metrics_file": None, "logging.tensorboard_dir": None,
     "logging.run_name": None, "logging.check_weight_hash_interval": ["--check-weight-hash-interval", "0"],
