@@ -235,6 +235,16 @@ def install(ddp_chunks: list, controller) -> None:
             raise ValueError(f"rank {rank}: GRPO does not support "
                              f"overlap_param_gather (DistributedDataParallelConfig, "
                              f"--overlap-param-gather) yet: build the DDP model without it")
+        instances = getattr(chunk.ddp_config, "num_distributed_optimizer_instances", 1)
+        if instances > 1:
+            # megatron then reduce-scatters inside an instance and all-reduces across instances
+            # in its own start_grad_sync; GRPO's per-tier paths replace that method and were not
+            # written for the second collective: replicas in different instances could drift
+            # apart unseen. Refused until issue 12 builds the hierarchy.
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            raise ValueError(f"rank {rank}: GRPO does not support the partial distributed optimizer "
+                             f"(DistributedDataParallelConfig.num_distributed_optimizer_instances="
+                             f"{instances}) yet: build the DDP model with one instance")
     for unit in controller.units:
         group = unit.group
         group.__class__ = GRPOBucketGroup
