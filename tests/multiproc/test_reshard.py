@@ -2,6 +2,8 @@
 the run says what carried over and what started again, the Adam step counters come back per
 parameter, and the loss stays with the uninterrupted run's."""
 
+import os
+
 import pytest
 
 from harness import GRPO_SMALL, SMALL_MODEL, read_metrics, run_training, train_and_read
@@ -52,6 +54,9 @@ def test_resume_at_the_same_size_is_still_exact_and_says_nothing(saved):
     assert "resumed at world size" not in proc.stdout and "grpo_retier" not in resumed[0]
 
 
+# The refusal is also checked by test_tensor_parallel_2_to_1_with_no_load_optim, --init-from in
+# another layout by tests/multiproc/test_convert.py: minutes on 2 cores, with -m slow.
+@pytest.mark.slow
 def test_another_tensor_parallel_layout_is_refused_and_init_from_starts_it(saved, stdlib_data):
     # The optimizer state is saved per data-parallel shard: TP 1 -> 2 is refused before
     # megatron's shape error, naming both layouts and the way out (--init-from).
@@ -78,9 +83,13 @@ def test_tensor_parallel_2_to_1_with_no_load_optim(stdlib_data, tmp_path):
     common = [*SMALL_MODEL, *GRPO_SMALL, "--data-path", stdlib_data, "--train-iters", "16",
               "--eval-interval", "16"]
     tp2 = [*common, "--tensor-model-parallel-size", "2"]
-    full = train_and_read(tmp_path, "tp2", 2, tp2)
     ckpt = str(tmp_path / "ck")
-    run_training(2, [*tp2, "--save", ckpt, "--save-interval", "10", "--exit-after-iter", "10"])
+    # One run gives the reference and the checkpoint (saving does not change the run: the
+    # bit-identical resume tests); the tracker then names iteration 10, as docs/checkpoints.md
+    # says to load an earlier checkpoint.
+    full = train_and_read(tmp_path, "tp2", 2, [*tp2, "--save", ckpt, "--save-interval", "10"])
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as fh:
+        fh.write("10")
     proc = run_training(1, [*common, "--load", ckpt], check=False)  # with the optimizer: refused
     assert proc.returncode != 0 and "written at tensor x pipeline parallel 2 x 1, this run is 1 x 1" in proc.stdout + proc.stderr
     metrics = str(tmp_path / "tp1.jsonl")
