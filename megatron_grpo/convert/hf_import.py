@@ -80,6 +80,7 @@ def record_for(hf_dir: str, tp: int = 1, make_divisible_by: int = 128):
     config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
     tok = _tokenizer_record(hf_dir, config.vocab_size, config.eos_token_id)
     shape = hl.shape_from_hf(config, tok["eod"], make_divisible_by, tp)
+    tok["eod"] = shape.eod  # the config's eos, or the last id when it names none
     model = dataclasses.asdict(ModelConfig())
     model.update(hl.model_flags(shape), seq_length=min(shape.max_positions, 4096),
                  make_vocab_size_divisible_by=make_divisible_by)
