@@ -59,6 +59,12 @@ class CheckpointView:
             raise ckpt.CheckpointError(f"{path}: no .metadata file, so not a torch_dist checkpoint "
                                        f"(megatron-core dist_checkpointing)")
         self.path = path
+        if verify and not os.path.isfile(os.path.join(path, ckpt.MANIFEST)):
+            raise ckpt.CheckpointError(
+                f"{path}: no {ckpt.MANIFEST}, so its files cannot be verified and its model shape is "
+                f"not recorded: either the save was interrupted (load an earlier iter_* directory) "
+                f"or it was not written by launch/pretrain_gpt.py (a Megatron-LM checkpoint: not "
+                f"supported by these tools yet)")
         self.manifest = ckpt.verify_checkpoint(path) if verify else self._manifest_or_empty()
         from torch.distributed.checkpoint import FileSystemReader
 
