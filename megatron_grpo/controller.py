@@ -41,6 +41,7 @@ from megatron_grpo.comm.error_feedback import ErrorFeedback
 from megatron_grpo.comm.replicated import ReplicatedElements
 from megatron_grpo.comm.wire import wire_counter
 from megatron_grpo.config import GRPOConfig
+from megatron_grpo.controller_state import ControllerState
 from megatron_grpo.health import HealthSums, HealthWatch
 from megatron_grpo.importance import ImportanceTracker
 from megatron_grpo.replica import ReplicaLayout
@@ -96,7 +97,7 @@ def _pipeline_position():
     return 0, 1, 1
 
 
-class GRPOController:
+class GRPOController(ControllerState):
     """GRPO state for one model replica chunk list; see the module docstring.
 
     ``plan_group`` is the group of every rank that must agree on the tier plan: all ranks of
@@ -559,47 +560,3 @@ class GRPOController:
             out["grpo_retier"] = self._new_events
         out["grpo_tier_map"] = "".join(t[0] for t in self.tiers)
         return out
-
-    # ------------------------------------------------------------------ checkpoint state
-    def common_state(self) -> Dict:
-        """Identical on every rank of the job (the replica's plan): stored once (rank 0)."""
-        return {"tiers": list(self.replica_tiers), "tiered": self.tiered,
-                "retier_pending": self.retier_pending, "events": self.events,
-                "remediations": self.remediations, "skipped_steps": self.skipped_steps,
-                "core_exact": self.core_exact, "warmup_origin": self.warmup_origin or 0,
-                **self.health.state_dict()}
-
-    def rank_state(self) -> Dict:
-        """Differs per rank: residuals, local importance, delayed accumulators, carries."""
-        return {"ef": self.ef.state_dict(), "importance": self.importance.state_dict(),
-                "carry": {k: v.cpu() for k, v in self.carry.items()},
-                "accum": {k: (v[0].cpu(), v[1]) for k, v in self.accum.items()},
-                "powersgd": self.powersgd.state_dict() if self.powersgd is not None else None}
-
-    def load_common_state(self, state: Dict) -> None:
-        if not state:
-            return
-        if len(state["tiers"]) != self.layout.num_global:
-            raise ValueError(f"checkpointed GRPO tier map has {len(state['tiers'])} units but this "
-                             f"model replica has {self.layout.num_global}: resume with the same model, "
-                             f"layout and --grpo-bucket-mb")
-        self.replica_tiers = list(state["tiers"])
-        self.tiers = self.replica_tiers[self.layout.local]
-        self.tiered = state["tiered"]
-        self.retier_pending = state["retier_pending"]
-        self.events = list(state["events"])
-        self.remediations = state["remediations"]
-        self.health.load_state_dict(state)
-        self.skipped_steps = state.get("skipped_steps", 0)
-        self.core_exact = state.get("core_exact", False)  # absent before the core monitor
-        self.warmup_origin = state.get("warmup_origin", 0)  # absent before --no-load-optim
-
-    def load_rank_state(self, state: Dict) -> None:
-        if not state:
-            return
-        self.ef.load_state_dict(state["ef"])
-        self.importance.load_state_dict(state["importance"])
-        self.carry = {k: v.to(self.device) for k, v in state["carry"].items()}
-        self.accum = {k: [v[0].to(self.device), v[1]] for k, v in state["accum"].items()}
-        if self.powersgd is not None and state.get("powersgd"):
-            self.powersgd.load_state_dict(state["powersgd"])

@@ -8,6 +8,7 @@ removed) and the per-rank files (RNG kept, GRPO's residuals removed).
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from collections import Counter
@@ -40,14 +41,8 @@ def inspect(path: str) -> Dict:
     model = {k: v for k, v in tensors.items() if not k.startswith("optimizer.")}
     optim = {k: v for k, v in tensors.items() if k.startswith("optimizer.")}
 
-    def numel(shape):
-        out = 1
-        for d in shape:
-            out *= d
-        return out
-
     def nbytes(entries):
-        return sum(numel(s) * torch.empty((), dtype=d).element_size() for s, d in entries.values())
+        return sum(math.prod(s) * torch.empty((), dtype=d).element_size() for s, d in entries.values())
 
     common = view.common().get("common", {})
     ext = common.get(EXTENSIONS) or {}
@@ -57,7 +52,7 @@ def inspect(path: str) -> Dict:
         "layout_tp_pp": m.get("layout"), "format_version": m.get("format_version"),
         "files": {name: dict(f) for name, f in sorted(m.get("files", {}).items())},
         "checksums": "verified (size and CRC32 of every file)",
-        "model_tensors": len(model), "model_parameters": sum(numel(s) for s, _ in model.values()),
+        "model_tensors": len(model), "model_parameters": sum(math.prod(s) for s, _ in model.values()),
         "model_bytes": nbytes(model), "optimizer_tensors": len(optim), "optimizer_bytes": nbytes(optim),
         "objects": len(view.objects()),
         "grpo_state": bool(ext),

@@ -62,10 +62,13 @@ def _tokenizer_record(hf_dir: str, vocab_size: int, eos: Optional[int]) -> Dict:
         return {"type": "none", "path": None, "vocab_size": vocab_size, "eod": eos, "pad": None}
     from transformers import AutoTokenizer
 
+    from megatron_grpo.data.tokenizer import ByteTokenizer, tokenizer_spec_dict
+
     tok = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
-    if len(tok) == 258 and tok.convert_tokens_to_ids("<|endoftext|>") == 256 \
-            and tok("ab")["input_ids"] == [97, 98] and vocab_size == 258:
-        return {"type": "byte", "path": None, "vocab_size": 258, "eod": 256, "pad": 257}
+    byte = ByteTokenizer()
+    if len(tok) == vocab_size == byte.vocab_size and tok.eos_token_id == byte.eod \
+            and tok("ab")["input_ids"] == byte.tokenize("ab"):
+        return tokenizer_spec_dict(byte)
     eod = tok.eos_token_id if tok.eos_token_id is not None else eos
     return {"type": "hf", "path": os.path.abspath(hf_dir), "vocab_size": vocab_size, "eod": eod, "pad": None}
 

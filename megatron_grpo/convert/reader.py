@@ -18,28 +18,26 @@ import torch
 from megatron_grpo.training import checkpointing as ckpt
 
 
-class _SlicePlanner:
+def _slice_planner(key: str, offsets: Tuple[int, ...], sizes: Tuple[int, ...]):
     """A DefaultLoadPlanner that reads one region (offsets, sizes) of one key into a plain tensor."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-    def __new__(cls, key: str, offsets: Tuple[int, ...], sizes: Tuple[int, ...]):
-        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-        from torch.distributed.checkpoint.planner import LoadPlan
-        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+    class Planner(DefaultLoadPlanner):
+        def create_local_plan(self):
+            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+            self.plan = LoadPlan(create_read_items_for_chunk_list(
+                key, self.metadata.state_dict_metadata[key], [chunk]))
+            return self.plan
 
-        class Planner(DefaultLoadPlanner):
-            def create_local_plan(self):
-                chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
-                self.plan = LoadPlan(create_read_items_for_chunk_list(
-                    key, self.metadata.state_dict_metadata[key], [chunk]))
-                return self.plan
+        def lookup_tensor(self, index):
+            # read items are offset relative to our region; the default lookup expects a
+            # ShardedTensor for offset indices
+            return self.state_dict[index.fqn]
 
-            def lookup_tensor(self, index):
-                # read items are offset relative to our region; the default lookup expects a
-                # ShardedTensor for offset indices
-                return self.state_dict[index.fqn]
-
-        return Planner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    return Planner(flatten_state_dict=False, flatten_sharded_tensors=False)
 
 
 class CheckpointView:
@@ -48,7 +46,7 @@ class CheckpointView:
     The manifest is verified (size and CRC32 of every file) on opening, so a damaged
     checkpoint is named before a byte is converted."""
 
-    def __init__(self, path: str, verify: bool = True) -> None:
+    def __init__(self, path: str) -> None:
         path = os.path.abspath(path)
         if os.path.isfile(os.path.join(path, ckpt.TRACKER)):
             path = ckpt.iteration_dir(path, ckpt.latest_iteration(path))
@@ -59,22 +57,16 @@ class CheckpointView:
             raise ckpt.CheckpointError(f"{path}: no .metadata file, so not a torch_dist checkpoint "
                                        f"(megatron-core dist_checkpointing)")
         self.path = path
-        if verify and not os.path.isfile(os.path.join(path, ckpt.MANIFEST)):
+        if not os.path.isfile(os.path.join(path, ckpt.MANIFEST)):
             raise ckpt.CheckpointError(
                 f"{path}: no {ckpt.MANIFEST}, so its files cannot be verified and its model shape is "
                 f"not recorded: either the save was interrupted (load an earlier iter_* directory) "
                 f"or it was not written by launch/pretrain_gpt.py (a Megatron-LM checkpoint: not "
                 f"supported by these tools yet)")
-        self.manifest = ckpt.verify_checkpoint(path) if verify else self._manifest_or_empty()
+        self.manifest = ckpt.verify_checkpoint(path)
         from torch.distributed.checkpoint import FileSystemReader
 
         self._metadata = FileSystemReader(path).read_metadata()
-
-    def _manifest_or_empty(self) -> Dict:
-        import json
-
-        p = os.path.join(self.path, ckpt.MANIFEST)
-        return json.load(open(p)) if os.path.isfile(p) else {}
 
     @property
     def record(self) -> Optional[Dict]:
@@ -109,10 +101,10 @@ class CheckpointView:
         shape = tuple(md.size)
         if layer is None:
             out = torch.empty(shape, dtype=md.properties.dtype)
-            planner = _SlicePlanner(key, (0,) * len(shape), shape)
+            planner = _slice_planner(key, (0,) * len(shape), shape)
         else:
             out = torch.empty((1,) + shape[1:], dtype=md.properties.dtype)
-            planner = _SlicePlanner(key, (layer,) + (0,) * (len(shape) - 1), out.shape)
+            planner = _slice_planner(key, (layer,) + (0,) * (len(shape) - 1), out.shape)
         # no_dist: a plain process reads it; torch warns that it assumes so, once per call
         import warnings
 

@@ -115,14 +115,6 @@ class MegatronModel:
             out = self.model(tokens, pos, mask)
         return out[..., :self.vocab].float()
 
-    def close(self) -> None:
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-
-        ps.destroy_model_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
 
 def tokenizer_of(record: Dict):
     """The tokenizer a checkpoint was trained with (its record). A model converted from an HF

@@ -14,6 +14,11 @@ too; importance is then measured after backward rather than during it.
 from megatron.core.distributed import DistributedDataParallel
 
 
+def default_bucket_size(dp: int) -> int:
+    """megatron's bucket size when none is given (distributed_data_parallel.py, 0.16.1)."""
+    return max(40000000, 1000000 * dp)
+
+
 class GRPODistributedDataParallel(DistributedDataParallel):
     def __init__(self, config, ddp_config, module, *args, **kwargs):
         # Read before megatron resets it to None for --no-overlap-grad-reduce; unset, it is
@@ -22,7 +27,7 @@ class GRPODistributedDataParallel(DistributedDataParallel):
         if requested is None:
             from megatron.core import parallel_state as ps
 
-            requested = max(40000000, 1000000 * ps.get_data_parallel_world_size())
+            requested = default_bucket_size(ps.get_data_parallel_world_size())
         self.__dict__["_grpo_requested_bucket_size"] = requested
         super().__init__(config, ddp_config, module, *args, **kwargs)
 

@@ -216,7 +216,9 @@ def bucket_layout(cfg, grpo_bucket_size: Optional[int], dp: int) -> Dict:
     if grpo_bucket_size:
         return {"first_stage": int(grpo_bucket_size),
                 "later_stages": int(grpo_bucket_size) if later_exist else None}
-    first = (cfg.parallel.ddp_bucket_size or max(40000000, 1000000 * dp)) if cfg.parallel.overlap_grad_reduce else None
+    from megatron_grpo.megatron.ddp import default_bucket_size
+
+    first = (cfg.parallel.ddp_bucket_size or default_bucket_size(dp)) if cfg.parallel.overlap_grad_reduce else None
     return {"first_stage": first, "later_stages": None}
 
 
@@ -429,7 +431,8 @@ def _shape(record: Dict) -> Dict:
     return shape
 
 
-def check_record(flag: str, path: str, manifest: Dict, record: Optional[Dict]) -> None:
+def check_record(flag: str, path: str, manifest: Dict, record: Optional[Dict],
+                 optimizer: bool = True) -> None:
     """Refuse a checkpoint of another model shape, naming each difference; say once (rank 0)
     when it was written with GRPO on/off otherwise or by other package versions. Checkpoints
     written before manifests held a model record are not checked."""
@@ -445,7 +448,7 @@ def check_record(flag: str, path: str, manifest: Dict, record: Optional[Dict]) -
             f"{'; '.join(diff)}. Give this run the checkpoint's model flags (its manifest "
             f"{MANIFEST} lists them), or point {flag} at a checkpoint of this model.")
     theirs_b, ours_b = saved.get("optimizer_buckets"), record.get("optimizer_buckets")
-    if flag == "--load" and theirs_b and ours_b and theirs_b != ours_b:
+    if flag == "--load" and optimizer and theirs_b and ours_b and theirs_b != ours_b:
         if theirs_b["later_stages"] is not None and ours_b["later_stages"] is None and not record["grpo"]:
             how = ("it was written by GRPO, whose buckets megatron rebuilds only at pipeline-parallel "
                    "size 1 with overlapped gradient reduce: resume with --ddp-bucket-size "
@@ -506,7 +509,7 @@ def load_checkpoint(root: str, built, iteration: Optional[int] = None, record: O
 def _load_without_optimizer(root: str, ckpt_dir: str, manifest: Dict, built, record: Optional[Dict]):
     from megatron.core import dist_checkpointing
 
-    check_record("--init-from", root, manifest, record)  # the shape; buckets do not matter here
+    check_record("--load", root, manifest, record, optimizer=False)  # buckets do not matter here
     loaded = dist_checkpointing.load(
         {"model": unwrap(built.ddp_model[0]).sharded_state_dict(metadata=SHARDING), "common": {}}, ckpt_dir)
     unwrap(built.ddp_model[0]).load_state_dict(loaded["model"])

@@ -263,11 +263,6 @@ def _ensure_corpus(ws) -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
-def _slow_selected(config) -> bool:
-    expr = config.getoption("markexpr") or ""
-    return re.search(r"(?<!not )\bslow\b", expr) is not None
-
-
 def _params():
     out = []
     for b in RUNNABLE:
@@ -277,12 +272,10 @@ def _params():
 
 
 @pytest.mark.parametrize("block", _params())
-def test_runnable_block(block: Block, docs_workspace, request):
+def test_runnable_block(block: Block, docs_workspace):
     covered = [t for (path, text), t in COVERED.items() if path == block.path and text in block.text]
     if covered:
         pytest.skip(f"run and checked by {covered[0]}")
-    if block.slow and not _slow_selected(request.config):
-        pytest.skip("slow docs block: run with `pytest -m slow tests/unit/test_docs.py`")
     if "needs-corpus" in block.options:
         _ensure_corpus(docs_workspace)
     timeout = SLOW_TIMEOUT_S if block.slow else FAST_TIMEOUT_S
