@@ -73,7 +73,13 @@ CONTENDERS += [Contender("delayed", [*T, "--grpo-stable-mode", "delayed"],
                Contender("core-int8-no-stable-fine", ["--grpo", "--grpo-core-compressor", "int8",
                                                       "--grpo-dynamic-share", "0.85", "--grpo-stable-share", "0",
                                                       "--grpo-max-dynamic-share", "0.85", "--grpo-bucket-mb", "0.08"],
-                         "the defaults on 0.08 MB units")]
+                         "the defaults on 0.08 MB units"),
+               # The same with the guard above the share: a guard equal to the dynamic share
+               # rounds every plan towards core (a whole unit moves back at each re-tier).
+               Contender("core-int8-no-stable-fine-g90", ["--grpo", "--grpo-core-compressor", "int8",
+                                                          "--grpo-dynamic-share", "0.85", "--grpo-stable-share", "0",
+                                                          "--grpo-max-dynamic-share", "0.9", "--grpo-bucket-mb", "0.08"],
+                         "the defaults on 0.08 MB units, dynamic guard 0.9")]
 
 
 def _at_most(value, limit: float) -> bool:
