@@ -23,6 +23,9 @@ setup(
         "megatron-core==0.16.1",
         "matplotlib",  # benchmark plots (python -m megatron_grpo.bench)
         "numpy",
+        # megatron-core's partial distributed optimizer (--num-distributed-optimizer-instances)
+        # builds its hierarchical groups with einops, which the wheel does not declare
+        "einops",
         "psutil",  # dist_checkpointing needs it but the megatron-core wheel does not declare it
         "pyyaml",
         "tensorboard",

@@ -10,7 +10,7 @@ import os
 import socket
 import subprocess
 import sys
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENTRY = os.path.join(REPO, "launch", "pretrain_gpt.py")
@@ -38,18 +38,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def env() -> Dict[str, str]:
+def env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     e = dict(os.environ)
     e.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
+    e.update(extra or {})
     return e
 
 
 def run_training(nproc: int, args: Sequence[str], timeout: int = 300,
-                 check: bool = True) -> subprocess.CompletedProcess:
-    """torchrun --nproc_per_node nproc launch/pretrain_gpt.py args (standalone rendezvous)."""
+                 check: bool = True, extra_env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
+    """torchrun --nproc_per_node nproc launch/pretrain_gpt.py args (standalone rendezvous);
+    ``extra_env`` is added to the ranks' environment."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), ENTRY, *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=REPO, env=env(extra_env), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"training failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n"
                              f"{proc.stderr[-6000:]}")
@@ -66,9 +68,10 @@ def losses(records: List[dict]) -> List[float]:
 
 
 def train_and_read(tmp_path, name: str, nproc: int, args: Sequence[str],
-                   timeout: int = 300) -> List[dict]:
+                   timeout: int = 300, extra_env: Optional[Dict[str, str]] = None) -> List[dict]:
     metrics = os.path.join(str(tmp_path), f"{name}.jsonl")
-    run_training(nproc, [*args, "--metrics-file", metrics, "--run-name", name], timeout=timeout)
+    run_training(nproc, [*args, "--metrics-file", metrics, "--run-name", name], timeout=timeout,
+                 extra_env=extra_env)
     return read_metrics(metrics)
 
 

@@ -38,8 +38,14 @@ all_to_all_single(_autograd), all_to_all_inplace as all_to_all_single; permute_t
 unless mapped to itself; isend_inplace B, irecv_inplace 0; batch_p2p_ops_inplace sum of B of the
 "isend" entries.
 
-P = 1 sends nothing. Bytes are attributed to the innermost active ``tag`` (e.g. a GRPO tier)
-and to the operation name, so per-tier and per-op totals are exact sums of real calls.
+P = 1 sends nothing. Bytes are attributed to the innermost active ``tag`` (e.g. a GRPO tier),
+to the operation name and to the link class of the call's group (``by_link``: ``inter_node``
+when the group's ranks live on more than one node, else ``intra_node``), so per-tier, per-op
+and per-link totals are exact sums of real calls. A group that spans nodes counts all its
+bytes as inter-node: the ring runs at the pace of its slowest hop. The node of a rank is
+``rank // ranks_per_node`` (torchrun and SLURM place consecutive ranks on a node), with
+ranks_per_node from ``MEGATRON_GRPO_RANKS_PER_NODE`` (tests emulating nodes on one machine) or
+torchrun's ``LOCAL_WORLD_SIZE``; without either every group is intra-node.
 A function that calls another counted one (all_gather_into_tensor -> all_gather_single,
 send -> isend, the torch-function re-dispatch under CPU mode) is counted once, by the outermost.
 
@@ -71,6 +77,8 @@ import torch.distributed.distributed_c10d as c10d
 from megatron_grpo.comm.wire_rules import C10D_RULES, FUNCOL_RULES, NOT_COUNTED, VIA_PRIMITIVES
 
 STRICT_ENV = "MEGATRON_GRPO_STRICT_COMM"
+RANKS_PER_NODE_ENV = "MEGATRON_GRPO_RANKS_PER_NODE"
+LINKS = ("intra_node", "inter_node")
 FUNCOL_PREFIX = "funcol."
 
 __all__ = ["WireCounter", "wire_counter", "CollectiveDeviceError", "UncountedCollectiveError",
@@ -150,6 +158,20 @@ def _funcol_group(kw):
     return name if isinstance(name, c10d.ProcessGroup) else c10d._resolve_process_group(name)
 
 
+def _ranks_per_node() -> Optional[int]:
+    for name in (RANKS_PER_NODE_ENV, "LOCAL_WORLD_SIZE"):
+        value = os.environ.get(name, "")
+        if value.strip():
+            try:
+                n = int(value)
+            except ValueError:
+                raise ValueError(f"{name}={value!r} must be a positive integer (ranks per node)") from None
+            if n <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive integer (ranks per node)")
+            return n
+    return None
+
+
 def _c10d_group(kw):
     return kw.get("group")
 
@@ -184,6 +206,8 @@ class WireCounter:
         self.by_tag: Dict[str, int] = defaultdict(int)
         self.by_op: Dict[str, int] = defaultdict(int)
         self.calls: Dict[str, int] = defaultdict(int)
+        self.by_link: Dict[str, int] = defaultdict(int)
+        self._link_of: Dict[object, str] = {}  # resolved group -> link class (cached)
         self._originals: Dict[str, Callable] = {}
         self._strict = False
         self._strict_set = False  # set_strict() wins over the environment
@@ -206,13 +230,34 @@ class WireCounter:
             self._local.stack = []
         return self._local.stack
 
-    def record(self, op: str, nbytes: int) -> None:
+    def record(self, op: str, nbytes: int, group=None) -> None:
         stack = self._stack()
         tag = stack[-1] if stack else "untagged"
+        link = self.link(group)
         with self._lock:
             self.by_tag[tag] += nbytes
             self.by_op[op] += nbytes
+            self.by_link[link] += nbytes
             self.calls[op] += 1
+
+    def link(self, group) -> str:
+        """``inter_node`` when ``group`` (None: the default group) spans nodes, else
+        ``intra_node`` (see the module docstring)."""
+        key = _DEFAULT if _is_default(group) else group
+        cached = self._link_of.get(key)
+        if cached is not None:
+            return cached
+        per_node = _ranks_per_node()
+        link = "intra_node"
+        if per_node and dist.is_initialized():
+            try:
+                ranks = dist.get_process_group_ranks(None if key is _DEFAULT else group)
+            except (ValueError, RuntimeError, TypeError):  # not a group this rank can name
+                ranks = []
+            if len({r // per_node for r in ranks}) > 1:
+                link = "inter_node"
+        self._link_of[key] = link
+        return link
 
     # -- reading -----------------------------------------------------------------------------
     @property
@@ -222,13 +267,16 @@ class WireCounter:
     def snapshot(self) -> dict:
         with self._lock:
             return {"total": sum(self.by_op.values()), "by_tag": dict(self.by_tag),
-                    "by_op": dict(self.by_op), "calls": dict(self.calls)}
+                    "by_op": dict(self.by_op), "calls": dict(self.calls),
+                    "by_link": dict(self.by_link)}
 
     def reset(self) -> dict:
         """Return the counts so far and start from zero."""
         with self._lock:
             snap = {"total": sum(self.by_op.values()), "by_tag": dict(self.by_tag),
-                    "by_op": dict(self.by_op), "calls": dict(self.calls)}
+                    "by_op": dict(self.by_op), "calls": dict(self.calls),
+                    "by_link": dict(self.by_link)}
+            self.by_link.clear()
             self.by_tag.clear()
             self.by_op.clear()
             self.calls.clear()
@@ -381,7 +429,7 @@ class WireCounter:
             group = resolve(kw)
             if counter._strict:  # before the call: nothing reaches the backend
                 counter._check(op, kw, group)
-            counter.record(op, int(rule(kw, group)))
+            counter.record(op, int(rule(kw, group)), group)
             local.inside = True
             try:
                 return original(*args, **kwargs)

@@ -14,6 +14,13 @@ Thin overrides of ``megatron.core.distributed.param_and_grad_buffer._ParamAndGra
   send the owners' quantised parameter deltas; a stable unit between updates has nothing new
   to send.
 
+With megatron's partial distributed optimizer (``num_distributed_optimizer_instances`` > 1, one
+instance per node) GRPO acts on the traffic between instances only: inside an instance every
+tier reduce-scatters and all-gathers exactly (megatron's own collectives), and a compressing
+tier all-reduces its shard across instances through ``comm.hierarchical`` instead of
+megatron's exact all-reduce. The parameter all-gather stays inside the instance, so it is
+megatron's exact one for every tier.
+
 The class is installed by swapping ``__class__`` on the groups DDP built, so megatron's own
 bucket layout, ready-count bookkeeping and overlap with backward stay as they are.
 """
@@ -27,6 +34,7 @@ import torch
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
 
 from megatron_grpo.comm.dynamic import CompressedReduceScatter, compressed_param_gather
+from megatron_grpo.comm.hierarchical import InterInstanceAllReduce
 from megatron_grpo.comm.powersgd import PowerSGDReduceScatter
 
 
@@ -55,6 +63,18 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
     def _group(self):
         return self.intra_distributed_optimizer_instance_group
 
+    @property
+    def _hierarchical(self) -> bool:
+        """Partial distributed optimizer: exact inside an instance, GRPO between instances."""
+        return getattr(self.ddp_config, "num_distributed_optimizer_instances", 1) > 1
+
+    def _own_shard(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a bucket buffer inside its instance (megatron's layout)."""
+        size = self._group.size()
+        shard = flat.numel() // size
+        rank = self._group.rank()
+        return flat[rank * shard:(rank + 1) * shard]
+
     def _side_stream(self):
         stream = self.grpo.side_stream
         if stream is None:
@@ -79,7 +99,15 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
             # Megatron scales by gradient_scaling_factor inside start_grad_sync; the carry is
             # already scaled, so pre-divide it when the exact path will scale afterwards.
             factor = b.gradient_scaling_factor
-            b.grad_data.add_(carry if scale_first or factor == 1.0 else carry / factor)
+            value = carry if scale_first or factor == 1.0 else carry / factor
+            if value.numel() != b.grad_data.numel():
+                # Hierarchical: the residual was this rank's part of the inter-instance
+                # all-reduce (its shard, maybe padded); on its own shard the intra-instance
+                # reduce-scatter delivers it once.
+                own = self._own_shard(b.grad_data)
+                own.add_(value[:own.numel()])
+                continue
+            b.grad_data.add_(value)
 
     # -- gradient sync (replaces _ParamAndGradBucketGroup.start_grad_sync) ---------------------
     def start_grad_sync(self, force_all_reduce: bool = False):
@@ -104,11 +132,19 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
                 self._start_compressed_reduce(tier, compressor)
                 return
             self._add_pending(scale_first=False)
+            if not self._hierarchical:
+                with ctrl.counter.tag(tier):
+                    super().start_grad_sync(force_all_reduce)
+        if self.grad_reduce_handle is None and self._hierarchical:
+            # megatron's hierarchical sync scales on the current stream and makes its own
+            # communication stream wait for the default stream only; run it on the main stream,
+            # after the side stream's importance kernels, as megatron expects.
+            ctrl.join_side_stream()
             with ctrl.counter.tag(tier):
                 super().start_grad_sync(force_all_reduce)
-            if self.grad_reduce_handle is None and self.ddp_config.overlap_grad_reduce:
-                # Synchronous inside megatron (no async handle): mark it done for finish.
-                self.grad_reduce_handle = _Completed()
+        if self.grad_reduce_handle is None and self.ddp_config.overlap_grad_reduce:
+            # Synchronous inside megatron (no async handle): mark it done for finish.
+            self.grad_reduce_handle = _Completed()
 
     def _scale(self) -> None:
         for b in self.buckets:
@@ -124,10 +160,13 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
         rank = self._group.rank()
         async_op = self.ddp_config.overlap_grad_reduce
         stats = ctrl.health_stats(self.grpo_unit)
+        if self._hierarchical:
+            self._start_inter_instance(tier, compressor, async_op, stats)
+            return
         handles = []
         with ctrl.counter.tag(tier):
             for i, b in enumerate(self.buckets):
-                shard = b.grad_data.numel() // ctrl.dp_size
+                shard = b.grad_data.numel() // self._group.size()
                 out = b.grad_data[rank * shard:(rank + 1) * shard]
                 key = (self.grpo_unit, i)
                 if ctrl.powersgd is not None and tier == "dynamic":
@@ -140,6 +179,20 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
                 handles.append(CompressedReduceScatter(
                     key, b.grad_data, out, ctrl.ef, compressor, self._group, async_op,
                     replicated=ctrl.replicated.get(key), stats=stats))
+        self.grad_reduce_handle = _Handles(handles) if async_op else _Completed()
+
+    def _start_inter_instance(self, tier: str, compressor, async_op: bool, stats) -> None:
+        """Hierarchical: megatron's exact reduce-scatter inside the instance (gradients already
+        scaled), then the compressed all-reduce of this rank's shard across instances."""
+        ctrl = self.grpo
+        inter = self.inter_distributed_optimizer_instance_group
+        handles = []
+        with ctrl.counter.tag(tier):
+            for i, b in enumerate(self.buckets):
+                own = self._own_shard(b.grad_data)
+                torch.distributed.reduce_scatter_tensor(own, b.grad_data, group=self._group)
+                handles.append(InterInstanceAllReduce((self.grpo_unit, i), own, ctrl.ef, compressor,
+                                                      inter, async_op, stats=stats))
         self.grad_reduce_handle = _Handles(handles) if async_op else _Completed()
 
     def _hold_stable_gradient(self) -> None:
@@ -185,6 +238,10 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
                 f"available; GRPO unit {self.grpo_unit}, tier {self.grpo.tiers[self.grpo_unit]})")
         with self.grpo.wait_timer():
             self.grad_reduce_handle.wait()
+            if self._hierarchical and getattr(self, "communication_stream", None) is not None:
+                # megatron's hierarchical sync ran on its communication stream (GPU; a no-op
+                # stand-in on CPU): its finish_grad_sync waits for that stream, not a handle.
+                torch.cuda.default_stream().wait_stream(self.communication_stream)
         self.grpo.join_side_stream()
         self.grad_reduce_handle = None
 
@@ -200,7 +257,7 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
             self.param_gather_dispatched = True
             return
         compressor = ctrl.unit_compressor(unit)
-        if compressor is not None and ctrl.config.compress_param_gather:
+        if compressor is not None and ctrl.config.compress_param_gather and not self._hierarchical:
             rank = self._group.rank()
             with ctrl.counter.tag(tier):
                 for i, b in enumerate(self.buckets):
@@ -210,7 +267,7 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
                         # This rank owns no parameter of the bucket (its shard is padding): it
                         # still joins the gather, sending a zero update, because every rank
                         # must issue the same collectives whatever its data.
-                        shard = param_flat.numel() // ctrl.dp_size
+                        shard = param_flat.numel() // self._group.size()
                         staged = param_flat[rank * shard:(rank + 1) * shard].to(torch.float32, copy=True)
                     compressed_param_gather(param_flat, staged, compressor, self._group,
                                             replicated=ctrl.replicated.get((unit, i)))
@@ -237,14 +294,17 @@ def install(ddp_chunks: list, controller) -> None:
                              f"--overlap-param-gather) yet: build the DDP model without it")
         instances = getattr(chunk.ddp_config, "num_distributed_optimizer_instances", 1)
         if instances > 1:
-            # megatron then reduce-scatters inside an instance and all-reduces across instances
-            # in its own start_grad_sync; GRPO's per-tier paths replace that method and were not
-            # written for the second collective: replicas in different instances could drift
-            # apart unseen. Refused until issue 12 builds the hierarchy.
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-            raise ValueError(f"rank {rank}: GRPO does not support the partial distributed optimizer "
-                             f"(DistributedDataParallelConfig.num_distributed_optimizer_instances="
-                             f"{instances}) yet: build the DDP model with one instance")
+            # Not built for the hierarchy yet: tensor-parallel replicated elements travel beside
+            # the flat payload (comm.replicated), and PowerSGD's factors are all-reduced over
+            # the flat group; either would reach the wrong ranks between instances.
+            if controller.replicated:
+                raise ValueError(f"rank {rank}: GRPO with --num-distributed-optimizer-instances "
+                                 f"{instances} does not support --tensor-model-parallel-size > 1 yet: "
+                                 f"run TP 1, or one instance")
+            if controller.powersgd is not None:
+                raise ValueError(f"rank {rank}: --grpo-compressor powersgd does not support "
+                                 f"--num-distributed-optimizer-instances {instances}: use int4 or int8")
     for unit in controller.units:
         group = unit.group
         group.__class__ = GRPOBucketGroup

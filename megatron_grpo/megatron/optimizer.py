@@ -105,7 +105,10 @@ class GRPODistributedOptimizer(DistributedOptimizer):
         ctrl = self.grpo
         if ctrl is None:
             return super()._copy_main_params_to_model_params()
-        compress = ctrl.config.compress_param_gather
+        # Hierarchical (partial distributed optimizer): the parameter all-gather stays inside the
+        # instance and is megatron's exact one.
+        compress = (ctrl.config.compress_param_gather
+                    and getattr(self.ddp_config, "num_distributed_optimizer_instances", 1) == 1)
         rank = self.data_parallel_group.rank()
         copied = self._grpo_copied_units
         for model_param, shard in self._pairs():
@@ -117,7 +120,7 @@ class GRPODistributedOptimizer(DistributedOptimizer):
             world_range = self._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
             param_flat = bucket.param_data.view(-1)
             if compress and ctrl.unit_compressor(unit) is not None:
-                shard_len = param_flat.numel() // ctrl.dp_size
+                shard_len = param_flat.numel() // self.data_parallel_group.size()
                 index = (unit, self._bucket_index_in_group(ctrl, unit, bucket))
                 staged = ctrl.staging.get(index)
                 if staged is None:

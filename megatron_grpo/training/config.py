@@ -83,6 +83,12 @@ class ParallelConfig:
     """Shard optimizer state over data-parallel ranks (megatron DistributedOptimizer)."""
     distributed_timeout_minutes: float = 10.0
     """Timeout of torch.distributed collectives: a rank stuck waiting on a dead peer fails after it."""
+    num_distributed_optimizer_instances: int = 1
+    """megatron's partial distributed optimizer: split the data-parallel ranks into this many
+    instances (consecutive ranks, so one per node when it equals the node count). Gradients are
+    reduce-scattered inside an instance and all-reduced across instances; optimizer state is
+    sharded inside an instance and replicated across them. Needs --use-distributed-optimizer
+    and must divide the data-parallel size."""
 
 
 @dataclass

@@ -266,6 +266,7 @@ def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption) -> RunSu
             "wire_bytes_param_gather": wire["by_op"].get("all_gather_into_tensor", 0)
             + wire["by_op"].get("_all_gather_base", 0),
             "wire_bytes_logging": wire["by_tag"].get("logging", 0),
+            "wire_bytes_inter_node": wire["by_link"].get("inter_node", 0),
             "wire_calls": wire["calls"],
             "consumed_samples": train_iter.consumed_samples,
             "skipped": not result.update_successful,

@@ -175,6 +175,7 @@ def build_model(cfg: PretrainConfig, platform: Platform, tokenizer_vocab_size: i
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         bucket_size=bucket_size or cfg.parallel.ddp_bucket_size,
+        num_distributed_optimizer_instances=cfg.parallel.num_distributed_optimizer_instances,
     )
     ddp = (ddp_class or DistributedDataParallel)(tf_config, ddp_config, model)
     o = cfg.optimizer
@@ -232,6 +233,7 @@ def model_parallel_init(cfg: PretrainConfig) -> None:
             # collective, the step's own included: without this a hung peer goes unreported for
             # 30 min whatever --distributed-timeout-minutes says. timedelta(minutes=) takes floats.
             distributed_timeout_minutes=cfg.parallel.distributed_timeout_minutes,
+            num_distributed_optimizer_instances=cfg.parallel.num_distributed_optimizer_instances,
         )
     # Seeds the default generator (CPU init) and megatron's model-parallel RNG tracker, so
     # replicated weights are equal on every TP rank and TP-split ones come from one full tensor.

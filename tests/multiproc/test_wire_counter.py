@@ -291,3 +291,33 @@ def test_a_new_torch_collective_fails_install(monkeypatch):
     with pytest.raises(wire.UncountedCollectiveError, match="all_reduce_fancy.*all_gather_fancy"):
         wire.WireCounter().install()
     assert dist.all_reduce is original  # refused before changing anything
+
+
+def _link_worker(rank, port, queue):
+    # 4 ranks, 2 per node: {0, 1} and {2, 3} are nodes.
+    os.environ["MEGATRON_GRPO_RANKS_PER_NODE"] = "2"
+    from megatron_grpo.comm.wire import WireCounter
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4,
+                            timeout=timedelta(seconds=60))
+    counter = WireCounter()
+    counter.install()
+    node = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    across = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    across = across[0] if rank in (0, 2) else across[1]
+    t = torch.ones(250)  # 1000 bytes
+    counter.reset()
+    dist.all_reduce(t, group=node)     # 2 (P-1)/P B = 1000, inside a node
+    dist.all_reduce(t, group=across)   # 1000, between nodes
+    dist.all_reduce(t)                 # default group, 4 ranks on 2 nodes: 1500
+    snap = counter.reset()
+    queue.put((rank, snap["by_link"], snap["total"]))
+    dist.destroy_process_group()
+
+
+def test_bytes_are_split_by_link_class():
+    results = spawn_ranks(_link_worker, nranks=4, timeout=300)
+    assert sorted(r for r, _, _ in results) == [0, 1, 2, 3]
+    for rank, by_link, total in results:
+        assert by_link == {"intra_node": 1000, "inter_node": 2500}, rank
+        assert total == 3500

@@ -98,6 +98,15 @@ def test_layout_errors_need_world_size():
         parse_args(["--global-batch-size", "12", "--micro-batch-size", "4", *DATA], world_size=2)
     with pytest.raises(ConfigError, match=r"--num-layers \(3\) must be divisible by --pipeline-model-parallel-size \(2\)"):
         parse_args(["--num-layers", "3", "--pipeline-model-parallel-size", "2", *DATA], world_size=2)
+    with pytest.raises(ConfigError, match=r"--num-distributed-optimizer-instances \(3\) must divide the "
+                                          r"data-parallel size \(4 = world size 8 / \(TP x PP = 2\)\)"):
+        parse_args(["--num-distributed-optimizer-instances", "3", "--tensor-model-parallel-size", "2",
+                    "--global-batch-size", "16", *DATA], world_size=8)
+    with pytest.raises(ConfigError, match=r"--num-distributed-optimizer-instances > 1 .* needs "
+                                          r"--use-distributed-optimizer"):
+        parse_args(["--num-distributed-optimizer-instances", "2", "--no-use-distributed-optimizer", *DATA])
+    assert parse_args(["--num-distributed-optimizer-instances", "2", "--global-batch-size", "16", *DATA],
+                      world_size=4).parallel.num_distributed_optimizer_instances == 2
 
 
 def test_missing_data_path_and_yaml_errors(tmp_path):
