@@ -3,6 +3,8 @@
     python launch/plan.py --config launch/configs/gpt_70b.yaml --nodes 16 --gpus-per-node 8 \
         --gpu-memory-gb 80 --link-gbps 400 [any training flag, e.g. --micro-batch-size 2]
     python launch/plan.py --all-presets          # the table in docs/planner.md
+    python launch/plan.py --config launch/configs/gpt_70b.yaml --nodes 16 \
+        --num-distributed-optimizer-instances 16  # + inter-node bytes, flat vs hierarchical
 
 Model and GRPO settings are read exactly as launch/pretrain_gpt.py reads them (same YAML, same
 flags, same validation against the world size). Nothing is built and no GPU is needed.
@@ -73,7 +75,8 @@ def spec_from_flags(train_argv: Sequence[str], nodes: int, gpus_per_node: int, g
     model = model_spec(cfg, vocab, attention)
     cluster = ClusterSpec(nodes=nodes, gpus_per_node=gpus_per_node, gpu_memory_gb=gpu_memory_gb,
                           link_gbps=link_gbps, tp=cfg.parallel.tensor_model_parallel_size,
-                          pp=cfg.parallel.pipeline_model_parallel_size, nvlink_gbps=nvlink_gbps)
+                          pp=cfg.parallel.pipeline_model_parallel_size, nvlink_gbps=nvlink_gbps,
+                          instances=cfg.parallel.num_distributed_optimizer_instances)
     return model, cluster, cfg.grpo, cfg.parallel.ddp_bucket_size, cfg.offload
 
 
@@ -108,8 +111,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             train_argv, args.nodes, args.gpus_per_node, args.gpu_memory_gb, args.link_gbps,
             args.vocab_size, args.attention, args.nvlink_gbps)
         name = next((a for a in train_argv if a.endswith((".yaml", ".yml"))), "model")
-        print(format_plan(plan(model, cluster, grpo, bucket_size=bucket, offload=offload),
-                          os.path.basename(name)))
+        p = plan(model, cluster, grpo, bucket_size=bucket, offload=offload)
+        print(format_plan(p, os.path.basename(name)))
+        if cluster.nodes > 1 or cluster.instances > 1:
+            from megatron_grpo.planner_internode import format_internode, internode
+
+            print(format_internode(internode(model, cluster, grpo, bucket_size=bucket, stage=p.traffic_stage),
+                                   flat_grpo=p.grpo_bytes if cluster.dp_spans_nodes else 0.0))
     except (ConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -130,6 +130,9 @@ class ClusterSpec:
     nvlink_gbps: float = 3600.0
     """Intra-node bandwidth per GPU, Gbit/s, one direction (H100 NVLink: 450 GB/s); used only
     when a data-parallel group fits inside one node."""
+    instances: int = 1
+    """megatron's partial distributed optimizer instances (--num-distributed-optimizer-instances;
+    one per node is the hierarchical layout): planner_internode's inter-node bytes."""
 
     @property
     def world(self) -> int:
@@ -153,7 +156,7 @@ class ClusterSpec:
         return self.link_gbps if self.dp_spans_nodes else self.nvlink_gbps
 
     def validate(self, model: Optional[ModelSpec] = None) -> None:
-        for name in ("nodes", "gpus_per_node", "tp", "pp"):
+        for name in ("nodes", "gpus_per_node", "tp", "pp", "instances"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ClusterSpec.{name} must be a positive integer, got {value!r}")
@@ -163,6 +166,9 @@ class ClusterSpec:
         if self.world % (self.tp * self.pp):
             raise ValueError(f"ClusterSpec: nodes x gpus_per_node ({self.world}) must be divisible "
                              f"by tp x pp ({self.tp} x {self.pp})")
+        if self.world % (self.tp * self.pp) == 0 and self.dp % self.instances:
+            raise ValueError(f"ClusterSpec.instances ({self.instances}) must divide the data-parallel "
+                             f"size ({self.dp})")
         if model is not None:
             if model.num_layers % self.pp:
                 raise ValueError(f"ClusterSpec.pp ({self.pp}) must divide ModelSpec.num_layers "

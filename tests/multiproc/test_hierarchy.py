@@ -32,8 +32,9 @@ def runs(stdlib_data, tmp_path_factory):
     common = _common(stdlib_data)
     # Like with like: the baselines get GRPO's buckets (sized from --grpo-bucket-mb), so the
     # warm-up comparison sums in the same order.
-    buckets = ["--ddp-bucket-size", str(parse_args([*common, *GRPO_SMALL], world_size=4).grpo.bucket_elements)]
-    return {
+    size = parse_args([*common, *GRPO_SMALL], world_size=4).grpo.bucket_elements
+    buckets = ["--ddp-bucket-size", str(size)]
+    return {"bucket": size, "grpo_flags": [*common, *HIER, *GRPO_SMALL, *CORE8],
         "flat": train_and_read(tmp, "flat", 4, [*common, *buckets], extra_env=NODES),
         "hier": train_and_read(tmp, "hier", 4, [*common, *buckets, *HIER], extra_env=NODES),
         "grpo": train_and_read(tmp, "grpo", 4, [*common, *HIER, *GRPO_SMALL, *CORE8], extra_env=NODES),
@@ -85,6 +86,35 @@ def test_grpo_between_instances_keeps_every_copy_identical(runs):
                                                                   for g in tiered)
     assert inter < 0.25, inter  # 0.17 measured
     assert grpo[-1]["loss"] == pytest.approx(hier[-1]["loss"], rel=0.05)
+
+
+def test_planner_predicts_the_inter_node_bytes(runs, stdlib_data):
+    import importlib.util
+    import os
+
+    from harness import REPO
+    from megatron_grpo.planner_internode import internode
+
+    spec = importlib.util.spec_from_file_location("plan_cli", os.path.join(REPO, "launch", "plan.py"))
+    plan_cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan_cli)
+    flags = runs["grpo_flags"]
+    model, cluster, grpo, bucket, _ = plan_cli.spec_from_flags(
+        flags, nodes=2, gpus_per_node=2, gpu_memory_gb=1.0, link_gbps=1.0, vocab=258, attention="unfused")
+    assert cluster.instances == 2
+    hier = runs["hier"]
+    base = internode(model, cluster, grpo, bucket_size=runs["bucket"])
+    # The logging scalars (12 bytes) are not the planner's.
+    assert [r["wire_bytes_inter_node"] - r["wire_bytes_logging"] for r in hier] == [base.hier_baseline] * ITERS
+    assert base.flat_baseline == runs["flat"][0]["wire_bytes_grad_reduce"] + runs["flat"][0]["wire_bytes_param_gather"]
+    checked = 0
+    for r in runs["grpo"][8:]:
+        t = internode(model, cluster, grpo, bucket_size=runs["bucket"], tiers=r["grpo_tier_map"])
+        stable = t.hier_stable_update if r["iteration"] % 4 == 0 else 0
+        if r["wire_bytes_grpo_control"] == 4:  # steps without importance or health all-reduces
+            assert r["wire_bytes_inter_node"] - r["wire_bytes_logging"] == t.hier_core + t.hier_dynamic + stable
+            checked += 1
+    assert checked >= 5
 
 
 def test_hierarchical_grpo_resume_is_bit_identical(stdlib_data, tmp_path, runs):
