@@ -26,7 +26,7 @@ from megatron_grpo.bench.suite import command_line
 
 SUITES = ("comm", "quality", "compute", "memory", "slowlink")
 # Issue 9's studies: not part of `all` (they are sweeps of many runs); run them by name.
-STUDIES = ("ablation", "front")
+STUDIES = ("ablation", "front", "internode")
 
 
 class BenchArgs(argparse.Namespace):

@@ -76,6 +76,9 @@ def summarize(records: List[Dict], steady_from: int = 0) -> Dict:
         "peak_rss_mb": max(r["peak_rss_bytes"] for r in records) / 2**20,
         "skipped_steps": sum(1 for r in records if r.get("skipped")),
     }
+    if any("wire_bytes_inter_node" in r for r in records):  # the counter's link classes
+        out["steady_inter_node_bytes_per_step"] = statistics.mean(r.get("wire_bytes_inter_node", 0)
+                                                                  for r in steady)
     out["fwd_bwd_time_s"] = (out["step_time_s"] - out["optimizer_time_s"]
                              if out["step_time_s"] is not None else None)
     if any("wire_bytes_core" in r for r in records):
@@ -139,6 +142,7 @@ def compare(run: Dict, base: Dict) -> Dict:
                                if run.get("late_loss") and base.get("late_loss") else None),
         "wire_ratio": ratio("wire_bytes_per_step"),
         "steady_wire_ratio": ratio("steady_wire_bytes_per_step"),
+        "steady_inter_node_ratio": ratio("steady_inter_node_bytes_per_step"),
         "step_time_ratio": ratio("step_time_s"),
         "steady_step_time_ratio": ratio("steady_step_time_s"),
         "fwd_bwd_time_ratio": ratio("fwd_bwd_time_s"),

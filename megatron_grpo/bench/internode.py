@@ -1,0 +1,64 @@
+"""Across nodes (issue 12): megatron's hierarchical baseline (partial distributed optimizer, one
+instance per node) beside megatron flat, GRPO flat and GRPO hierarchical, on 4 gloo ranks that
+emulate 2 nodes of 2 (MEGATRON_GRPO_RANKS_PER_NODE: the wire counter's link classes).
+
+Bytes are counted per rank and split by link class: a collective over a group whose ranks sit
+on two nodes is inter-node. The hierarchical megatron run is the baseline every other is
+compared with (the best megatron layout for such a cluster). Step times on one machine say
+nothing about a slow inter-node link and are not reported here (the slow-link suite runs on
+the 2-node SLURM cluster with tc).
+"""
+
+from __future__ import annotations
+
+import os
+
+from megatron_grpo.bench import figures as F
+from megatron_grpo.bench.runner import CONFIGS, Contender
+from megatron_grpo.bench.sidebyside import run_grid
+from megatron_grpo.bench.suite import SuiteResult
+
+DEFAULT_CONFIG = os.path.join(CONFIGS, "tiny.yaml")
+DEFAULT_SEEDS = [1234]
+NODES = 2
+HIER = ["--num-distributed-optimizer-instances", str(NODES)]
+
+CONTENDERS = [
+    Contender("baseline", HIER, "megatron, partial distributed optimizer, one instance per node: "
+              "reduce-scatter and all-gather inside the node, all-reduce of the shards between nodes"),
+    Contender("megatron-flat", [], "megatron, one distributed-optimizer instance over both nodes"),
+    Contender("grpo-flat", ["--grpo"], "GRPO defaults, one instance: every tier's traffic crosses nodes"),
+    Contender("grpo-hier", ["--grpo", *HIER],
+              "GRPO defaults, one instance per node: exact inside the node, compressed between nodes"),
+]
+
+
+def run(args, command: str) -> SuiteResult:
+    # 2 nodes of at least 2 ranks: a 1-rank instance would have no traffic inside the node.
+    nproc = max(int(args.nproc), 2 * NODES)
+    if nproc % NODES:
+        raise ValueError(f"--nproc ({nproc}) must be a multiple of {NODES} (ranks per emulated node)")
+    args = type(args)(**{**vars(args), "nproc": nproc})
+    grid = run_grid("internode", args, DEFAULT_CONFIG, CONTENDERS, DEFAULT_SEEDS,
+                    env={"MEGATRON_GRPO_RANKS_PER_NODE": str(nproc // NODES)})
+    res = SuiteResult(grid.section, "Across nodes: inter-node bytes, flat and hierarchical", command,
+                      ["contender", "inter-node MB/step after warm-up", "vs hierarchical megatron",
+                       "all bytes MB/step", "late loss vs baseline", "final val vs baseline"])
+    for name in grid.names:
+        per = lambda key, spec, suffix="": ", ".join(  # noqa: E731
+            F.fmt(grid.compare[name][s].get(key), spec, suffix) for s in grid.seeds)
+        inter = ", ".join(F.fmt(grid.summaries[name][s].get("steady_inter_node_bytes_per_step", 0) / 1e6,
+                                ".3f") for s in grid.seeds)
+        total = ", ".join(F.fmt(grid.summaries[name][s]["steady_wire_bytes_per_step"] / 1e6, ".3f")
+                          for s in grid.seeds)
+        res.rows.append([name, inter, per("steady_inter_node_ratio", ".3f"), total,
+                         per("late_loss_diff_pct", "+.2f", " %") if name != "baseline" else "",
+                         per("val_loss_diff_pct", "+.2f", " %") if name != "baseline" else ""])
+    res.notes += [f"{c.name}: {c.about}" for c in CONTENDERS if c.name in grid.names]
+    res.notes.append(f"{nproc} gloo ranks as {NODES} nodes of {nproc // NODES}; config "
+                     f"{os.path.basename(grid.spec.config)}; seeds {', '.join(map(str, grid.seeds))}; "
+                     f"after warm-up = iterations > {grid.steady_from}")
+    res.notes.append(F.LATE_LOSS_NOTE)
+    res.notes.append(grid.load_note)
+    res.data = {"summaries": grid.summaries, "compare": grid.compare}
+    return res
