@@ -311,3 +311,29 @@ def test_memory_suite_checks_the_planner_against_what_the_ssd_run_placed():
                                    "grpo-ssd": {"steady_peak_rss_mb": 1000.0}})
     assert "(+10.0 %)" in lines[0] and lines[1].endswith("(+0.0 %)")
     assert memory._planner_check(RunSpec(out="x", config=config, data_path="x"), {}, {}) == []
+
+
+def test_internode_suite_runs_four_ranks_as_two_nodes_and_reads_the_inter_node_bytes(tmp_path, monkeypatch):
+    from megatron_grpo.bench import __main__ as cli
+
+    seen = []
+    inter = {"baseline": 600, "megatron-flat": 1800, "grpo-flat": 280, "grpo-hier": 90}
+
+    def fake_run(self, name, c, extra=(), env=None):
+        seen.append((name, self.spec.nproc, dict(self.spec.env)))
+        recs = _records(40, lambda i: 1800, tiered_from=None if "grpo" not in c.name else 11)
+        for r in recs:
+            r["wire_bytes_inter_node"] = 600 if r["iteration"] <= 10 and c.name != "megatron-flat" \
+                else inter[c.name]
+        return recs
+
+    monkeypatch.setattr(runner.Runner, "run", fake_run)
+    monkeypatch.setattr(cli, "ensure_data", lambda path: None)
+    assert cli.main(["internode", "--out", str(tmp_path / "o")]) == 0
+    assert [n for n, _, _ in seen] == ["baseline-s1234", "megatron-flat-s1234", "grpo-flat-s1234",
+                                       "grpo-hier-s1234"]
+    assert {(p, e["MEGATRON_GRPO_RANKS_PER_NODE"]) for _, p, e in seen} == {(4, "2")}
+    saved = json.loads((tmp_path / "o" / "internode" / "internode.json").read_text())
+    rows = {r[0]: r for r in saved["rows"]}
+    assert rows["grpo-hier"][2] == "0.150"  # 90 / 600 after warm-up
+    assert rows["megatron-flat"][2] == "3.000"
