@@ -158,7 +158,8 @@ def _funcol_group(kw):
     return name if isinstance(name, c10d.ProcessGroup) else c10d._resolve_process_group(name)
 
 
-def _ranks_per_node() -> Optional[int]:
+def ranks_per_node() -> Optional[int]:
+    """Ranks per node from MEGATRON_GRPO_RANKS_PER_NODE or torchrun's LOCAL_WORLD_SIZE (None: unknown)."""
     for name in (RANKS_PER_NODE_ENV, "LOCAL_WORLD_SIZE"):
         value = os.environ.get(name, "")
         if value.strip():
@@ -247,7 +248,7 @@ class WireCounter:
         cached = self._link_of.get(key)
         if cached is not None:
             return cached
-        per_node = _ranks_per_node()
+        per_node = ranks_per_node()
         link = "intra_node"
         if per_node and dist.is_initialized():
             try:

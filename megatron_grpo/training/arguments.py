@@ -252,12 +252,12 @@ def validate(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
         raise ConfigError(f"--seed must be an integer in [0, 2**32 - 1], got {t.seed}")
     if p.distributed_timeout_minutes <= 0:
         raise ConfigError(f"--distributed-timeout-minutes must be > 0, got {p.distributed_timeout_minutes}")
-    if p.num_distributed_optimizer_instances < 1:
-        raise ConfigError(f"--num-distributed-optimizer-instances must be a positive integer, "
+    if p.num_distributed_optimizer_instances < 0:
+        raise ConfigError(f"--num-distributed-optimizer-instances must be >= 0 (0: one per node), "
                           f"got {p.num_distributed_optimizer_instances}")
-    if p.num_distributed_optimizer_instances > 1 and not p.use_distributed_optimizer:
-        raise ConfigError("--num-distributed-optimizer-instances > 1 is megatron's partial distributed "
-                          "optimizer: it needs --use-distributed-optimizer")
+    if p.num_distributed_optimizer_instances != 1 and not p.use_distributed_optimizer:
+        raise ConfigError("--num-distributed-optimizer-instances other than 1 is megatron's partial "
+                          "distributed optimizer: it needs --use-distributed-optimizer")
     if t.train_iters < 0:
         raise ConfigError(f"--train-iters must be >= 0, got {t.train_iters}")
     if c.load and c.init_from:
@@ -347,7 +347,7 @@ def validate(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
             raise ConfigError(f"world size {world_size} is not divisible by --tensor-model-parallel-size"
                               f" x --pipeline-model-parallel-size = {mp}")
         dp = world_size // mp
-        if dp % p.num_distributed_optimizer_instances:
+        if p.num_distributed_optimizer_instances and dp % p.num_distributed_optimizer_instances:
             raise ConfigError(f"--num-distributed-optimizer-instances ({p.num_distributed_optimizer_instances}) "
                               f"must divide the data-parallel size ({dp} = world size {world_size} / "
                               f"(TP x PP = {mp}))")

@@ -88,7 +88,8 @@ class ParallelConfig:
     instances (consecutive ranks, so one per node when it equals the node count). Gradients are
     reduce-scattered inside an instance and all-reduced across instances; optimizer state is
     sharded inside an instance and replicated across them. Needs --use-distributed-optimizer
-    and must divide the data-parallel size."""
+    and must divide the data-parallel size. 0: one instance per node (the nodes one pipeline
+    stage spans, from torchrun's LOCAL_WORLD_SIZE, which the SLURM launch sets)."""
 
 
 @dataclass

@@ -221,10 +221,38 @@ def build_scheduler(cfg: PretrainConfig, optimizer):
     )
 
 
+def instances_per_node(world: int, tp: int, pp: int, per_node: Optional[int]) -> int:
+    """--num-distributed-optimizer-instances 0: one instance per node that a pipeline stage's
+    ranks span (megatron's rank order puts TP innermost, then DP, then PP; a stage is
+    world / pp consecutive ranks and an instance consecutive data-parallel ranks)."""
+    dp = world // (tp * pp)
+    stage = world // pp
+    if per_node is None or stage <= per_node:
+        return 1  # one node (or unknown: then one instance, megatron's default)
+    if stage % per_node or per_node % tp or dp % (stage // per_node):
+        raise ValueError(f"--num-distributed-optimizer-instances 0 (one per node): a pipeline stage's "
+                         f"{stage} ranks do not split into whole nodes of {per_node} ranks with "
+                         f"TP {tp} and data-parallel size {dp}; give the instance count")
+    return stage // per_node
+
+
 def model_parallel_init(cfg: PretrainConfig) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
+    if cfg.parallel.num_distributed_optimizer_instances == 0:
+        from megatron_grpo.comm.wire import ranks_per_node
+
+        world = torch.distributed.get_world_size()
+        rank = torch.distributed.get_rank()
+        try:
+            n = instances_per_node(world, cfg.parallel.tensor_model_parallel_size,
+                                   cfg.parallel.pipeline_model_parallel_size, ranks_per_node())
+        except ValueError as exc:
+            raise ValueError(f"rank {rank}: {exc}") from None
+        cfg.parallel.num_distributed_optimizer_instances = n  # recorded as resolved
+        if rank == 0:
+            print(f"[run] distributed-optimizer instances: one per node -> {n}", flush=True)
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
             tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size,

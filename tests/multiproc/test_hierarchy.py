@@ -118,11 +118,13 @@ def test_planner_predicts_the_inter_node_bytes(runs, stdlib_data):
 
 
 def test_hierarchical_grpo_resume_is_bit_identical(stdlib_data, tmp_path, runs):
-    common = [*_common(stdlib_data), *HIER, *GRPO_SMALL, *CORE8]
+    # Instances 0 = one per node: 2 here (2 ranks per emulated node), as in the full run.
+    common = [*_common(stdlib_data), "--num-distributed-optimizer-instances", "0", *GRPO_SMALL, *CORE8]
     ckpt, metrics = str(tmp_path / "ck"), str(tmp_path / "resumed.jsonl")
     run_training(4, [*common, "--save", ckpt, "--save-interval", "10", "--exit-after-iter", "11",
                      "--metrics-file", metrics], extra_env=NODES)
-    run_training(4, [*common, "--load", ckpt, "--metrics-file", metrics], extra_env=NODES)
+    proc = run_training(4, [*common, "--load", ckpt, "--metrics-file", metrics], extra_env=NODES)
+    assert "distributed-optimizer instances: one per node -> 2" in proc.stdout
     resumed = read_metrics(metrics)[11:]
     assert [r["iteration"] for r in resumed] == list(range(11, ITERS + 1))
     full = runs["grpo"]

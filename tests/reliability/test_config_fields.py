@@ -46,7 +46,7 @@ RANGE = {
     "parallel.ddp_bucket_size": ["--ddp-bucket-size", "0"], "parallel.overlap_grad_reduce": None,
     "parallel.use_distributed_optimizer": None,
     "parallel.distributed_timeout_minutes": ["--distributed-timeout-minutes", "0"],
-    "parallel.num_distributed_optimizer_instances": ["--num-distributed-optimizer-instances", "0"],
+    "parallel.num_distributed_optimizer_instances": ["--num-distributed-optimizer-instances", "-1"],
     "optimizer.lr": ["--lr", "0"], "optimizer.min_lr": ["--min-lr", "-1"],
     "optimizer.lr_warmup_iters": ["--lr-warmup-iters", "-1"], "optimizer.lr_decay_style": ["--lr-decay-style", "step"],
     "optimizer.lr_decay_iters": ["--lr-decay-iters", "0"], "optimizer.weight_decay": ["--weight-decay", "-1"],

@@ -102,11 +102,30 @@ def test_layout_errors_need_world_size():
                                           r"data-parallel size \(4 = world size 8 / \(TP x PP = 2\)\)"):
         parse_args(["--num-distributed-optimizer-instances", "3", "--tensor-model-parallel-size", "2",
                     "--global-batch-size", "16", *DATA], world_size=8)
-    with pytest.raises(ConfigError, match=r"--num-distributed-optimizer-instances > 1 .* needs "
+    with pytest.raises(ConfigError, match=r"--num-distributed-optimizer-instances other than 1 .* needs "
                                           r"--use-distributed-optimizer"):
         parse_args(["--num-distributed-optimizer-instances", "2", "--no-use-distributed-optimizer", *DATA])
     assert parse_args(["--num-distributed-optimizer-instances", "2", "--global-batch-size", "16", *DATA],
                       world_size=4).parallel.num_distributed_optimizer_instances == 2
+
+
+@pytest.mark.parametrize("world, tp, pp, per_node, expected", [
+    (4, 1, 1, 2, 2), (16, 2, 1, 8, 2), (32, 2, 2, 8, 2), (8, 1, 1, 8, 1), (8, 1, 1, None, 1),
+    (16, 1, 2, 8, 1),  # each stage fits in a node: nothing to split
+])
+def test_one_instance_per_node(world, tp, pp, per_node, expected):
+    from megatron_grpo.training.model import instances_per_node
+
+    assert instances_per_node(world, tp, pp, per_node) == expected
+
+
+def test_one_instance_per_node_refuses_nodes_that_cut_a_tensor_parallel_group():
+    from megatron_grpo.training.model import instances_per_node
+
+    with pytest.raises(ValueError, match=r"one per node.*12 ranks do not split into whole nodes of 8 ranks"):
+        instances_per_node(12, 1, 1, 8)
+    with pytest.raises(ValueError, match=r"do not split into whole nodes of 2 ranks with TP 4"):
+        instances_per_node(8, 4, 1, 2)
 
 
 def test_missing_data_path_and_yaml_errors(tmp_path):
