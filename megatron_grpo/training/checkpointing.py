@@ -214,12 +214,20 @@ def bucket_layout(cfg, grpo_bucket_size: Optional[int], dp: int) -> Dict:
     ``later_stages`` is None at pipeline-parallel size 1 (there are none)."""
     later_exist = cfg.parallel.pipeline_model_parallel_size > 1
     if grpo_bucket_size:
-        return {"first_stage": int(grpo_bucket_size),
-                "later_stages": int(grpo_bucket_size) if later_exist else None}
-    from megatron_grpo.megatron.ddp import default_bucket_size
+        out = {"first_stage": int(grpo_bucket_size),
+               "later_stages": int(grpo_bucket_size) if later_exist else None}
+    else:
+        from megatron_grpo.megatron.ddp import default_bucket_size
 
-    first = (cfg.parallel.ddp_bucket_size or default_bucket_size(dp)) if cfg.parallel.overlap_grad_reduce else None
-    return {"first_stage": first, "later_stages": None}
+        first = (cfg.parallel.ddp_bucket_size or default_bucket_size(dp)) if cfg.parallel.overlap_grad_reduce else None
+        out = {"first_stage": first, "later_stages": None}
+    # Partial distributed optimizer: state is sharded inside an instance, and GRPO's residuals
+    # between instances have the shard's length. Recorded only when not 1, so records of
+    # earlier checkpoints still compare equal.
+    instances = cfg.parallel.num_distributed_optimizer_instances
+    if instances != 1:
+        out["distributed_optimizer_instances"] = int(instances)
+    return out
 
 
 def model_record(cfg, tokenizer, padded_vocab: int, buckets: Optional[Dict] = None) -> Dict:
@@ -449,7 +457,10 @@ def check_record(flag: str, path: str, manifest: Dict, record: Optional[Dict],
             f"{MANIFEST} lists them), or point {flag} at a checkpoint of this model.")
     theirs_b, ours_b = saved.get("optimizer_buckets"), record.get("optimizer_buckets")
     if flag == "--load" and optimizer and theirs_b and ours_b and theirs_b != ours_b:
-        if theirs_b["later_stages"] is not None and ours_b["later_stages"] is None and not record["grpo"]:
+        inst_t, inst_o = (b.get("distributed_optimizer_instances", 1) for b in (theirs_b, ours_b))
+        if inst_t != inst_o:
+            how = f"resume with --num-distributed-optimizer-instances {inst_t}, as it was written"
+        elif theirs_b["later_stages"] is not None and ours_b["later_stages"] is None and not record["grpo"]:
             how = ("it was written by GRPO, whose buckets megatron rebuilds only at pipeline-parallel "
                    "size 1 with overlapped gradient reduce: resume with --ddp-bucket-size "
                    f"{theirs_b['first_stage']} at --pipeline-model-parallel-size 1, or with --grpo")

@@ -44,3 +44,25 @@ def test_save_dir_probe(tmp_path):
     blocker.write_text("x")
     assert save_dir_problem(str(blocker / "ckpt")) == f"[Errno 20] Not a directory: '{blocker / 'ckpt'}'"
     assert blocker.read_text() == "x"
+
+
+def test_another_instance_count_is_refused_on_load_with_the_way_out():
+    # GRPO's residuals between distributed-optimizer instances have the shard's length and the
+    # optimizer state is sharded inside an instance: a resume needs the count it was written with.
+    from megatron_grpo.data.tokenizer import ByteTokenizer
+    from megatron_grpo.training.arguments import parse_args
+    from megatron_grpo.training.checkpointing import bucket_layout, check_record, model_record
+
+    def record(instances):
+        cfg = parse_args(["--data-path", "x", "--grpo", "--num-distributed-optimizer-instances",
+                          str(instances), "--global-batch-size", "16"], world_size=4)
+        return model_record(cfg, ByteTokenizer(), 384, bucket_layout(cfg, 40000, 4))
+
+    flat, hier = record(1), record(2)
+    assert "distributed_optimizer_instances" not in flat["optimizer_buckets"]  # earlier records match
+    assert hier["optimizer_buckets"]["distributed_optimizer_instances"] == 2
+    check_record("--load", "ck", {"model": hier}, record(2))
+    with pytest.raises(CheckpointError, match=r"--load ck \(rank 0\): the distributed optimizer's state is "
+                                              r"saved per DDP bucket.*Resume with "
+                                              r"--num-distributed-optimizer-instances 2, as it was written"):
+        check_record("--load", "ck", {"model": hier}, flat)
