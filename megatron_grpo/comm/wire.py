@@ -78,7 +78,6 @@ from megatron_grpo.comm.wire_rules import C10D_RULES, FUNCOL_RULES, NOT_COUNTED,
 
 STRICT_ENV = "MEGATRON_GRPO_STRICT_COMM"
 RANKS_PER_NODE_ENV = "MEGATRON_GRPO_RANKS_PER_NODE"
-LINKS = ("intra_node", "inter_node")
 FUNCOL_PREFIX = "funcol."
 
 __all__ = ["WireCounter", "wire_counter", "CollectiveDeviceError", "UncountedCollectiveError",
