@@ -44,11 +44,11 @@ def main():
         counter = wire_counter()
         record = counter.record
 
-        def spy(op, nbytes):
+        def spy(op, nbytes, group=None):
             stack = counter._stack()
             if stack and stack[-1] == "weight_check":
                 state["calls"].append([op, nbytes])
-            record(op, nbytes)
+            record(op, nbytes, group)
 
         counter.record = spy
 
