@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 
 from megatron_grpo.comm.analytic import baseline_step_bytes, ddp_bucket_numels
 from megatron_grpo.comm.compress import build_compressor
+from megatron_grpo.comm.wire_rules import _ring_allreduce  # the wire counter's own rule
 from megatron_grpo.planner import _parse_tiers, stage_param_numels
 
 
@@ -57,10 +58,6 @@ class InterNodeTraffic:
     def ratio(self) -> float:
         """GRPO hierarchical over megatron hierarchical."""
         return self.hier_grpo / self.hier_baseline if self.hier_baseline else 0.0
-
-
-def _ring_allreduce(p: int, nbytes: int) -> int:
-    return (2 * (p - 1) * nbytes) // p  # the wire counter's rule
 
 
 def internode(model, cluster, grpo, bucket_size: Optional[int] = None,

@@ -31,14 +31,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.comm.compress import Compressor
+from megatron_grpo.comm.dynamic import _used_on_current_stream
 from megatron_grpo.comm.error_feedback import ErrorFeedback
-
-
-def _used_on_current_stream(*tensors) -> None:
-    # As in comm/dynamic.py: buffers made on GRPO's side stream are read on the main stream.
-    for t in tensors:
-        if t is not None and t.is_cuda:
-            t.record_stream(torch.cuda.current_stream(t.device))
 
 
 class InterInstanceAllReduce:
