@@ -13,7 +13,8 @@ from typing import Optional
 TIERS = ("core", "dynamic", "stable")
 COMPRESSORS = ("int4", "int8", "topk", "powersgd")
 CORE_COMPRESSORS = ("none", "int8", "int4")
-STABLE_MODES = ("frozen", "delayed")
+STABLE_MODES = ("frozen", "delayed", "compressed")
+STABLE_COMPRESSORS = ("int2", "int4", "int8")
 SPARSE_TIERS = ("no-stable", "any")
 TIER_POLICIES = ("importance", "random", "inverse")
 IMPORTANCE_SCORES = ("grad-weight", "grad", "fisher")
@@ -95,7 +96,15 @@ class GRPOConfig:
     as the baseline). frozen: no weight-gradient compute between updates (saves backward work),
     but those steps' gradients are lost. delayed is the default because it measured better:
     late loss +0.68 % vs +1.27 % against the baseline at the same 0.243x bytes (tiny model,
-    1,000 steps, mean of 2 seeds; `python -m megatron_grpo.bench front --train-iters 1000`)."""
+    1,000 steps, mean of 2 seeds; `python -m megatron_grpo.bench front --train-iters 1000`).
+    compressed: stable units sync every step like the dynamic tier, through
+    --grpo-stable-compressor (2 bits by default) with error feedback of their own: the ranking
+    then gives the least important units the fewest bits (--grpo-stable-interval is unused)."""
+    stable_compressor: str = "int2"
+    """Compressor of the stable tier in --grpo-stable-mode compressed: int2 (ternary, ~14:1 vs
+    fp32), int4 or int8, per-chunk fp32 scales (--grpo-compress-chunk). A compressed stable tier
+    whose relative compression error stays above --grpo-max-compression-error is sent with
+    --grpo-compressor from then on."""
     gvr_interval: int = 10
     """Measure the dynamic tier's compression health (GVR, relative error, cosine) every this
     many iterations."""
@@ -169,6 +178,8 @@ class GRPOConfig:
             fail("sparse_gradient_tier", "one of " + ", ".join(SPARSE_TIERS), self.sparse_gradient_tier)
         if self.stable_mode not in STABLE_MODES:
             fail("stable_mode", "one of " + ", ".join(STABLE_MODES), self.stable_mode)
+        if self.stable_compressor not in STABLE_COMPRESSORS:
+            fail("stable_compressor", "one of " + ", ".join(STABLE_COMPRESSORS), self.stable_compressor)
         if not 0.0 < self.gvr_min < self.gvr_max:
             raise GRPOConfigError(f"--grpo-gvr-min and --grpo-gvr-max must satisfy 0 < min < max, "
                                   f"got {self.gvr_min} and {self.gvr_max}")

@@ -173,6 +173,7 @@ class GRPOController(ControllerState):
         self.planner = TierPlanner.from_config(config)
         self.health = HealthWatch(lambda: GVRMonitor.from_config(config), config.max_compression_error)
         self.core_exact = False  # set by remediation: a compressed core that stayed bad
+        self.stable_fallback = False  # set by remediation: a compressed stable tier that stayed bad
         # PowerSGD (a peer, for the evidence suite) compresses gradients only: the parameter
         # deltas of its buckets go through the int4 quantiser.
         self.powersgd = (PowerSGDState(config.powersgd_rank, seed=1)
@@ -185,6 +186,8 @@ class GRPOController(ControllerState):
         self.core_compressor = (None if config.core_compressor == "none" else
                                 build_compressor(config.core_compressor, config.compress_chunk,
                                                  config.topk_ratio))
+        self.stable_compressor = (build_compressor(config.stable_compressor, config.compress_chunk)
+                                  if config.stable_mode == "compressed" else None)
         self.ef = ErrorFeedback()
         # Keyed by (unit, bucket index in its group), like the error-feedback residuals.
         self.carry: Dict[tuple, torch.Tensor] = {}
@@ -247,13 +250,16 @@ class GRPOController(ControllerState):
         done = k - 1 - self.warmup_origin  # steps since the warm-up began
         if done >= c.warmup_iters and (not self.tiered or (done - c.warmup_iters) % c.retier_interval == 0):
             self.retier_pending = True
-        never = c.stable_interval == 0  # static freeze: stable units are never updated
-        if self.retier_pending and (never or (k - 1) % c.stable_interval == 0):
+        # A compressed stable tier syncs every step: as an interval of 1 (re-tier at any step).
+        compressed = c.stable_mode == "compressed"
+        interval = 1 if compressed else c.stable_interval
+        never = interval == 0  # static freeze: stable units are never updated
+        if self.retier_pending and (never or (k - 1) % interval == 0):
             self._retier(k)
             self.retier_pending = False
         self.step = StepPlan(
             k=k,
-            stable_update=(not never and k % c.stable_interval == 0) or not self.tiered,
+            stable_update=(not never and k % interval == 0) or not self.tiered,
             measure_importance=(k % c.importance_interval == 0),
             measure_health=self.tiered and (k % c.gvr_interval == 0) and bool(self._watched_tiers()),
         )
@@ -327,6 +333,8 @@ class GRPOController(ControllerState):
         """Will the step after this one update the stable tier? (The memory tier prefetches the
         stable tier's state one step ahead.) A re-tier at that step only moves units out of
         stable right after an update, when their state is resident anyway."""
+        if self.config.stable_mode == "compressed":
+            return True
         interval = self.config.stable_interval
         return interval > 0 and (self.step.k + 1) % interval == 0
 
@@ -338,13 +346,17 @@ class GRPOController(ControllerState):
         """The compressor of the unit's gradient and parameter sync this step, or None for an
         exact one (megatron's own). Core is compressed only with --grpo-core-compressor, once
         tiered (the warm-up is the baseline's exact sync, all units core), and never for a unit
-        pinned to core (its copies on two pipeline stages must stay exact); with one
-        data-parallel rank there is nothing to send, so nothing is compressed."""
+        pinned to core (its copies on two pipeline stages must stay exact); stable is
+        compressed in --grpo-stable-mode compressed (with the dynamic tier's compressor after
+        remediation); with one data-parallel rank there is nothing to send, so nothing is
+        compressed."""
         if self.dp_size <= 1:
             return None
         tier = self.tiers[index]
         if tier == "dynamic":
             return self.compressor
+        if tier == "stable" and self.stable_compressor is not None and self.tiered:
+            return self.compressor if self.stable_fallback else self.stable_compressor
         if tier == "core" and self._core_compressed() and not self.units[index].pinned:
             return self.core_compressor
         return None
@@ -359,6 +371,8 @@ class GRPOController(ControllerState):
         if self._core_compressed() and any(t == "core" and not pinned for t, pinned
                                            in zip(self.replica_tiers, self.replica_pinned)):
             out.append("core")
+        if self.stable_compressor is not None and "stable" in self.replica_tiers:
+            out.append("stable")
         return out
 
     def tier_of_bucket(self, bucket) -> str:
@@ -500,6 +514,13 @@ class GRPOController(ControllerState):
         if "core" in bad:
             self._core_to_exact(self.step.k + 1, f"remediation: core relative compression error "
                                 f"{bad['core']['rel_error']:.3f} {why}: core synced exactly from here on")
+        if "stable" in bad and not self.stable_fallback:
+            # Error feedback keeps each stable bucket's residual: only the compressor changes.
+            self.stable_fallback = True
+            self.remediations += 1
+            self._note_remediation(self.step.k + 1, f"remediation: stable relative compression error "
+                                   f"{bad['stable']['rel_error']:.3f} {why}: stable sent with "
+                                   f"--grpo-compressor {self.config.compressor} from here on")
         if "dynamic" in bad:
             figures, dynamic = bad["dynamic"], units["dynamic"]
             errors = [figures["unit_rel_error"].get(i, math.nan) for i in dynamic]
@@ -519,6 +540,9 @@ class GRPOController(ControllerState):
             if self.tiers[key[0]] == "core":
                 self.carry[key] = self.ef.residual(key).clone()
                 self.ef.drop(key)
+        self._note_remediation(k, reason)
+
+    def _note_remediation(self, k: int, reason: str) -> None:
         event = {"iteration": k, "reason": reason, "moved": 0, "shares": self.shares(), "moves": []}
         self.events.append(event)
         self._new_events.append(event)
@@ -556,6 +580,7 @@ class GRPOController(ControllerState):
                 h = self.health.last["dynamic"]
                 out["grpo_gvr_in_range"] = self.config.gvr_min <= h["gvr"] <= self.config.gvr_max
         out["grpo_core_exact"] = self.core_exact
+        out["grpo_stable_fallback"] = self.stable_fallback
         if self._new_events:
             out["grpo_retier"] = self._new_events
         out["grpo_tier_map"] = "".join(t[0] for t in self.tiers)

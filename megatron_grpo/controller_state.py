@@ -13,7 +13,8 @@ class ControllerState:
         return {"tiers": list(self.replica_tiers), "tiered": self.tiered,
                 "retier_pending": self.retier_pending, "events": self.events,
                 "remediations": self.remediations, "skipped_steps": self.skipped_steps,
-                "core_exact": self.core_exact, "warmup_origin": self.warmup_origin or 0,
+                "core_exact": self.core_exact, "stable_fallback": self.stable_fallback,
+                "warmup_origin": self.warmup_origin or 0,
                 **self.health.state_dict()}
 
     def rank_state(self) -> Dict:
@@ -39,6 +40,7 @@ class ControllerState:
         self.health.load_state_dict(state)
         self.skipped_steps = state.get("skipped_steps", 0)
         self.core_exact = state.get("core_exact", False)  # absent before the core monitor
+        self.stable_fallback = state.get("stable_fallback", False)  # absent before issue 9's int2
         self.warmup_origin = state.get("warmup_origin", 0)  # absent before --no-load-optim
 
     def load_rank_state(self, state: Dict) -> None:

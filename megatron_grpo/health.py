@@ -1,6 +1,7 @@
 """Compression health of the compressed tiers: what a sampled step measures and how it is judged.
 
-On a monitoring step every compressed bucket (dynamic, and core with --grpo-core-compressor)
+On a monitoring step every compressed bucket (dynamic, core with --grpo-core-compressor, stable
+with --grpo-stable-mode compressed)
 reports, before sending, what this rank delivers
 (a = D(q)) and what it owed (c = g + r: this step's gradient plus the error-feedback residual).
 Per unit, sums are kept in float64 over all elements: sum a, sum a^2, sum c, sum c^2, sum a*c,
@@ -23,7 +24,8 @@ megatron_grpo.replica), so every rank derives the same figures:
 All figures are pooled per tier; ``rel_error`` is also kept per unit to pick the dynamic units
 to promote. ``HealthWatch`` judges each tier with a monitor of its own: a dynamic tier that
 stays bad has its worst units promoted to core; a compressed core that stays bad goes exact
-(promoting to it would not help).
+(promoting to it would not help); a compressed stable tier that stays bad is sent with the
+dynamic tier's compressor.
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ class HealthWatch:
     the share to promote), ``last`` each tier's figures at its last check, ``measured`` the
     tiers checked on the current step (reset by ``new_step``)."""
 
-    TIERS = ("dynamic", "core")
+    TIERS = ("dynamic", "core", "stable")
 
     def __init__(self, monitor_factory, limit: float) -> None:
         self.monitors = {t: monitor_factory() for t in self.TIERS}
@@ -125,10 +127,14 @@ class HealthWatch:
         # Keys of the checkpoints written before the core monitor existed, kept for dynamic.
         return {"monitor": dict(vars(self.monitors["dynamic"])), "last_health": self.last.get("dynamic"),
                 "core_monitor": dict(vars(self.monitors["core"])),
-                "last_core_health": self.last.get("core")}
+                "last_core_health": self.last.get("core"),
+                "stable_monitor": dict(vars(self.monitors["stable"])),
+                "last_stable_health": self.last.get("stable")}
 
     def load_state_dict(self, state: Dict) -> None:
         vars(self.monitors["dynamic"]).update(state["monitor"])
         vars(self.monitors["core"]).update(state.get("core_monitor", {}))
-        self.last = {t: state.get(k) for t, k in (("dynamic", "last_health"), ("core", "last_core_health"))
+        vars(self.monitors["stable"]).update(state.get("stable_monitor", {}))
+        self.last = {t: state.get(k) for t, k in (("dynamic", "last_health"), ("core", "last_core_health"),
+                                                   ("stable", "last_stable_health"))
                      if state.get(k) is not None}

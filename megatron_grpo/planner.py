@@ -231,9 +231,10 @@ class TierTraffic:
     dynamic: int
     """Compressed all_to_all of gradients + compressed (or exact) parameter gather, every step."""
     stable_update: int
-    """Exact sync of the stable units on their update step (0 bytes on the other steps)."""
+    """Exact sync of the stable units on their update step (0 bytes on the other steps); in
+    --grpo-stable-mode compressed their compressed sync, every step."""
     stable_interval: int
-    """Steps between stable updates."""
+    """Steps between stable updates (1 in --grpo-stable-mode compressed)."""
 
     @property
     def stable_average(self) -> float:
@@ -413,6 +414,10 @@ def plan(model: ModelSpec, cluster: ClusterSpec, grpo: GRPOConfig,
     compressor = build_compressor(grpo.compressor, grpo.compress_chunk, grpo.topk_ratio)
     core_compressor = (None if grpo.core_compressor == "none" else
                        build_compressor(grpo.core_compressor, grpo.compress_chunk, grpo.topk_ratio))
+    # --grpo-stable-mode compressed: the stable tier sends its own compressor's bytes every step.
+    stable_compressor = (build_compressor(grpo.stable_compressor, grpo.compress_chunk)
+                         if grpo.stable_mode == "compressed" else None)
+    stable_interval = 1 if stable_compressor is not None else grpo.stable_interval
 
     per_stage = []
     for st in range(pp):
@@ -428,6 +433,7 @@ def plan(model: ModelSpec, cluster: ClusterSpec, grpo: GRPOConfig,
         accum = elements["stable"] if grpo.stable_mode == "delayed" else 0.0
         g = _memory(model, cluster, units, sum(numels), act, separate_fp32_master=True,
                     ef_elements=(elements["dynamic"] + (elements["core"] if core_compressor else 0.0)
+                                 + (elements["stable"] if stable_compressor else 0.0)
                                  if dp > 1 else 0.0), accum_elements=accum)
         if offload is not None and offload.target != "none":
             _place(g, units, elements, sum(numels) / dp, dp, offload.stream,
@@ -450,20 +456,22 @@ def plan(model: ModelSpec, cluster: ClusterSpec, grpo: GRPOConfig,
     # tied embedding's copies on two stages stay exact, a few units at most).
     core_bytes = exact if core_compressor is None else \
         [_dynamic_bytes(n, dp, pb, grpo, core_compressor) for n in units]
+    stable_bytes = exact if stable_compressor is None else \
+        [_dynamic_bytes(n, dp, pb, grpo, stable_compressor) for n in units]
     if tier_list:
         core = sum(x for x, t in zip(core_bytes, tier_list) if t == "core")
         dynamic = sum(x for x, t in zip(dyn, tier_list) if t == "dynamic")
-        stable = sum(x for x, t in zip(exact, tier_list) if t == "stable")
+        stable = sum(x for x, t in zip(stable_bytes, tier_list) if t == "stable")
     else:  # quota shares by element, applied to the stage's per-unit bytes
         core = round(grpo.core_share * sum(core_bytes))
         dynamic = round(grpo.dynamic_share * sum(dyn))
-        stable = round(grpo.stable_share * sum(exact))
+        stable = round(grpo.stable_share * sum(stable_bytes))
     return Plan(model=model, cluster=cluster, grpo=grpo, memory_stage=mem_entry[0],
                 traffic_stage=traffic_entry[0], baseline_memory=baseline_memory,
                 grpo_memory=grpo_memory, baseline_buckets=list(traffic_entry[2]),
                 baseline_grad_bytes=grad_bytes, baseline_param_bytes=param_bytes, units=list(units),
                 tiers=tier_list, tier_elements=_tier_elements(units, tier_list or None, grpo),
-                grpo_traffic=TierTraffic(core, dynamic, stable, grpo.stable_interval),
+                grpo_traffic=TierTraffic(core, dynamic, stable, stable_interval),
                 grpo_warmup_bytes=sum(exact))
 
 

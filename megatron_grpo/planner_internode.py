@@ -99,7 +99,10 @@ def internode(model, cluster, grpo, bucket_size: Optional[int] = None,
 
     core_b = [exact(n) if core_c is None else compressed(n, core_c) for n in units]
     dyn_b = [compressed(n, compressor) for n in units]
-    stable_b = [exact(n) for n in units]
+    # --grpo-stable-mode compressed: the stable tier's own compressor, every step.
+    stable_c = (build_compressor(grpo.stable_compressor, grpo.compress_chunk)
+                if grpo.stable_mode == "compressed" else None)
+    stable_b = [exact(n) if stable_c is None else compressed(n, stable_c) for n in units]
     if tiers is not None:
         tier_list = _parse_tiers(tiers, len(units))
         core = sum(b for b, t in zip(core_b, tier_list) if t == "core")
@@ -109,7 +112,8 @@ def internode(model, cluster, grpo, bucket_size: Optional[int] = None,
         core = round(grpo.core_share * sum(core_b))
         dynamic = round(grpo.dynamic_share * sum(dyn_b))
         stable = round(grpo.stable_share * sum(stable_b))
-    return InterNodeTraffic(inst, flat, hier, core, dynamic, stable, grpo.stable_interval)
+    return InterNodeTraffic(inst, flat, hier, core, dynamic, stable,
+                            1 if stable_c is not None else grpo.stable_interval)
 
 
 def format_internode(t: InterNodeTraffic, flat_grpo: Optional[float] = None) -> str:

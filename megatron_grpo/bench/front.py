@@ -79,7 +79,21 @@ CONTENDERS += [Contender("delayed", [*T, "--grpo-stable-mode", "delayed"],
                Contender("core-int8-no-stable-fine-g90", ["--grpo", "--grpo-core-compressor", "int8",
                                                           "--grpo-dynamic-share", "0.85", "--grpo-stable-share", "0",
                                                           "--grpo-max-dynamic-share", "0.9", "--grpo-bucket-mb", "0.08"],
-                         "the defaults on 0.08 MB units, dynamic guard 0.9")]
+                         "the defaults on 0.08 MB units, dynamic guard 0.9"),
+               # The least important 20 % on 2 bits every step (--grpo-stable-mode compressed):
+               # the bytes they free pay for a larger int8 core.
+               Contender("core-int8-stable-int2", ["--grpo", "--grpo-core-compressor", "int8",
+                                                   "--grpo-dynamic-share", "0.65", "--grpo-stable-share", "0.2",
+                                                   "--grpo-max-dynamic-share", "0.65",
+                                                   "--grpo-stable-mode", "compressed",
+                                                   "--grpo-stable-compressor", "int2"],
+                         "core 0.15 int8, dynamic 0.65 int4, stable 0.20 int2 every step"),
+               Contender("core-20-int8-stable-int2", ["--grpo", "--grpo-core-compressor", "int8",
+                                                      "--grpo-core-share", "0.2", "--grpo-dynamic-share", "0.6",
+                                                      "--grpo-stable-share", "0.2", "--grpo-max-dynamic-share", "0.6",
+                                                      "--grpo-stable-mode", "compressed",
+                                                      "--grpo-stable-compressor", "int2"],
+                         "core 0.20 int8, dynamic 0.60 int4, stable 0.20 int2 every step")]
 
 
 def _at_most(value, limit: float) -> bool:

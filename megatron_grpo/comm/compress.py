@@ -12,6 +12,7 @@ name       payload, in order                                                    
 =========  ===================================================================  =================
 int4       n_c fp32 scales | ceil(N/2) bytes of two 4-bit codes | zero pad      4 n_c + round4(ceil(N/2))
 int8       n_c fp32 scales | N one-byte codes | zero pad                        4 n_c + round4(N)
+int2       n_c fp32 scales | ceil(N/4) bytes of four 2-bit codes | zero pad     4 n_c + round4(ceil(N/4))
 topk       k int32 indices (ascending) | k fp32 values                          8 k
 =========  ===================================================================  =================
 
@@ -45,7 +46,7 @@ from typing import List, Optional
 
 import torch
 
-COMPRESSOR_NAMES = ("int4", "int8", "topk")
+COMPRESSOR_NAMES = ("int4", "int8", "int2", "topk")
 
 # A chunk whose max |x| is below this is sent as zeros: 7 / max|x| would overflow fp32 (and the
 # scale would be subnormal). Such values are ~1e-36; error feedback keeps them in the residual.
@@ -306,7 +307,8 @@ class _ChunkQuantizer(Compressor):
         self.offset = 2 ** (self.bits - 1)
 
     def _code_bytes(self, numel: int) -> int:
-        return numel * self.bits // 8 if self.bits == 8 else (numel + 1) // 2
+        per_byte = 8 // self.bits
+        return (numel + per_byte - 1) // per_byte
 
     def payload_bytes(self, numel: int) -> int:
         if not isinstance(numel, int) or numel < 1:
@@ -354,16 +356,19 @@ class _ChunkQuantizer(Compressor):
         if self.bits == 8:
             dst.copy_(w[:, :numel])  # the cast writes the codes straight into the payload
             return
-        n_codes = 2 * n_code_bytes  # numel rounded up to even; codes past numel encode 0
+        per_byte, mask = 8 // self.bits, (1 << self.bits) - 1
+        n_codes = per_byte * n_code_bytes  # numel rounded up; codes past numel encode 0
         codes = torch.empty((rows, max(n_codes, padded)), dtype=torch.uint8, device=x2d.device)
         codes[:, :padded].copy_(w)
-        if n_codes > padded:  # odd numel that is a multiple of an odd chunk, or < chunk
+        if n_codes > padded:  # numel not a multiple of per_byte, or < chunk
             codes[:, padded:].fill_(self.offset)
-        pairs = codes[:, :n_codes].view(rows, n_code_bytes, 2)
-        # Element 2j in the low nibble, 2j+1 in the high one (codes are in [1, 15]; the and
-        # is the copy into the strided payload rows, and a guard against nibble spill).
-        torch.bitwise_and(pairs[:, :, 0], 15, out=dst)
-        dst.bitwise_or_(pairs[:, :, 1] << 4)
+        packs = codes[:, :n_codes].view(rows, n_code_bytes, per_byte)
+        # Element per_byte*j + i in bits [i*bits, (i+1)*bits) of byte j (codes are in
+        # [1, 2**bits - 1]; the and is the copy into the strided payload rows, and a guard
+        # against spill into the next field).
+        torch.bitwise_and(packs[:, :, 0], mask, out=dst)
+        for i in range(1, per_byte):
+            dst.bitwise_or_(packs[:, :, i] << (i * self.bits))
 
     def _decode_rows(self, payload2d: torch.Tensor, numel: int,
                      out2d: torch.Tensor) -> torch.Tensor:
@@ -377,10 +382,16 @@ class _ChunkQuantizer(Compressor):
         if self.bits == 8:
             q = torch.sub(raw, self.offset)
         else:
-            codes = torch.empty((rows, n_code_bytes, 2), dtype=torch.uint8, device=payload2d.device)
-            torch.bitwise_and(raw, 15, out=codes[:, :, 0])
-            torch.bitwise_right_shift(raw, 4, out=codes[:, :, 1])
-            q = codes.sub_(self.offset).view(rows, 2 * n_code_bytes)[:, :numel]
+            per_byte, mask = 8 // self.bits, (1 << self.bits) - 1
+            codes = torch.empty((rows, n_code_bytes, per_byte), dtype=torch.uint8,
+                                device=payload2d.device)
+            torch.bitwise_and(raw, mask, out=codes[:, :, 0])
+            for i in range(1, per_byte):
+                field = codes[:, :, i]
+                torch.bitwise_right_shift(raw, i * self.bits, out=field)
+                if i < per_byte - 1:
+                    field.bitwise_and_(mask)
+            q = codes.sub_(self.offset).view(rows, per_byte * n_code_bytes)[:, :numel]
         values = out2d
         values.copy_(q.view(torch.int8))
         # Whole chunks as a [R, full, C] view, the short last chunk (if any) on its own: no
@@ -407,6 +418,16 @@ class Int8Compressor(_ChunkQuantizer):
 
     name = "int8"
     bits = 8
+
+
+class Int2Compressor(_ChunkQuantizer):
+    """2-bit symmetric (ternary) quantisation, q in [-1, 0, 1], fp32 scale per ``chunk``
+    elements (14.2:1 at 256). Elements under half their chunk's max |x| send 0 and wait in the
+    error-feedback residual, so it suits the units whose gradients matter least (a tier's
+    compressor: --grpo-stable-compressor), not a whole model."""
+
+    name = "int2"
+    bits = 2
 
 
 class TopKCompressor(Compressor):
@@ -475,6 +496,8 @@ def build_compressor(name: str, chunk: int = 256, topk_ratio: float = 0.05) -> C
         return Int4Compressor(chunk)
     if name == "int8":
         return Int8Compressor(chunk)
+    if name == "int2":
+        return Int2Compressor(chunk)
     if name == "topk":
         return TopKCompressor(topk_ratio)
     raise ValueError(f"compressor must be one of {', '.join(COMPRESSOR_NAMES)}, got {name!r}")

@@ -152,7 +152,8 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
                 b.grad_data *= b.gradient_scaling_factor
 
     def _start_compressed_reduce(self, tier: str, compressor) -> None:
-        """Dynamic, or core with --grpo-core-compressor: a compressed reduce-scatter with error
+        """Dynamic, core with --grpo-core-compressor, or stable with --grpo-stable-mode
+        compressed: a compressed reduce-scatter with error
         feedback; on monitoring steps it reports its health sums (megatron_grpo.health)."""
         ctrl = self.grpo
         self._scale()

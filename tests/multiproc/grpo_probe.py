@@ -124,6 +124,7 @@ def SignFlipInt8(chunk):
 def main():
     import torch.distributed as dist
 
+    from megatron_grpo.comm.compress import build_compressor
     from megatron_grpo.megatron import grpo_hooks, grpo_optimizers
     from megatron_grpo.training.arguments import parse_args
     from megatron_grpo.training.loop import run
@@ -205,7 +206,8 @@ def main():
                 params_same=digest(ctrl.units[i].params) == probe["before"][i][0],
                 moments_same=digest(optimizer_moments(ctrl, i)) == probe["before"][i][1],
                 grad_buffer_zero=grads_zero, requires_grad=probe["requires_grad"][i])
-        tiers, core_exact = list(ctrl.tiers), ctrl.core_exact  # as this step ran (end_step may change them)
+        # As this step ran (end_step may change them).
+        tiers, core_exact, stable_fallback = list(ctrl.tiers), ctrl.core_exact, ctrl.stable_fallback
         from megatron_grpo.comm.wire import wire_counter
 
         # The step's collectives so far (the loop resets the counter after this hook): every
@@ -228,6 +230,11 @@ def main():
             unit_comp = comp if tier == "dynamic" else (
                 ctrl.core_compressor if tier == "core" and ctrl.tiered and not unit.pinned
                 and not core_exact else None)
+            # --grpo-stable-mode compressed: stable sends its own compressor every step, the
+            # dynamic tier's once remediation found it bad.
+            if tier == "stable" and ctrl.config.stable_mode == "compressed" and ctrl.tiered:
+                unit_comp = comp if stable_fallback else build_compressor(
+                    ctrl.config.stable_compressor, ctrl.config.compress_chunk)
             for b in unit.group.buckets:
                 n = b.grad_data.numel()
                 if unit_comp is not None:

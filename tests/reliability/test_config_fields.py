@@ -74,6 +74,7 @@ RANGE = {
     "grpo.importance_score": ["--grpo-importance-score", "hessian"],
     "grpo.tier_policy": ["--grpo-tier-policy", "best"],
     "grpo.stable_interval": ["--grpo-stable-interval", "-1"], "grpo.stable_mode": ["--grpo-stable-mode", "lazy"],
+    "grpo.stable_compressor": ["--grpo-stable-compressor", "int3"],
     "grpo.gvr_interval": ["--grpo-gvr-interval", "0"], "grpo.gvr_min": ["--grpo-gvr-min", "0"],
     "grpo.gvr_max": ["--grpo-gvr-max", "0.5"], "grpo.max_compression_error": ["--grpo-max-compression-error", "0"],
     "grpo.gvr_window": ["--grpo-gvr-window", "0"], "grpo.remediation_promote": ["--grpo-remediation-promote", "0"],

@@ -9,6 +9,7 @@ from megatron_grpo.comm import compress as compress_module
 from megatron_grpo.comm.compress import (
     COMPRESSOR_NAMES,
     Compressor,
+    Int2Compressor,
     Int4Compressor,
     Int8Compressor,
     TopKCompressor,
@@ -25,10 +26,12 @@ def _randn(n, seed=0):
 
 
 # Sizes worked out by hand from the documented formats (chunk 256, top-k ratio 0.05):
-# int4 4*ceil(N/256) + round4(ceil(N/2)); int8 4*ceil(N/256) + round4(N); topk 8*ceil(0.05 N).
+# int4 4*ceil(N/256) + round4(ceil(N/2)); int8 4*ceil(N/256) + round4(N);
+# int2 4*ceil(N/256) + round4(ceil(N/4)); topk 8*ceil(0.05 N).
 @pytest.mark.parametrize("name, sizes", [
     ("int4", (8, 132, 132, 140, 5160)),
     ("int8", (8, 260, 260, 268, 10160)),
+    ("int2", (8, 68, 68, 76, 2660)),
     ("topk", (8, 104, 104, 104, 4000)),
 ])
 def test_payload_sizes_exact(name, sizes):
@@ -54,9 +57,11 @@ def test_int4_ratio_exact():
     assert c.ratio(33_554_432) == 4 * 256 / (128 + 4)
     assert round(c.ratio(256), 4) == 7.7576
     assert Int8Compressor(256).ratio(256) == 4 * 256 / (256 + 4)
+    assert Int2Compressor(256).ratio(256) == 4 * 256 / (64 + 4)
 
 
-@pytest.mark.parametrize("cls, level", [(Int4Compressor, 7), (Int8Compressor, 127)])
+@pytest.mark.parametrize("cls, level", [(Int4Compressor, 7), (Int8Compressor, 127),
+                                        (Int2Compressor, 1)])
 @pytest.mark.parametrize("n, chunk", [(1, 256), (255, 256), (257, 256), (10_000, 256), (1001, 7)])
 def test_quantiser_error_bound(cls, level, n, chunk):
     x = _randn(n, seed=n) * torch.logspace(-3, 2, n)  # chunks of very different magnitudes
@@ -90,6 +95,18 @@ def test_zero_chunk_scale_zero_and_max_exact():
     # codes: chunk 0 all 8 (q=0); chunk 1 q = -7, 2, 1, 7 -> 1, 10, 9, 15; low nibble first.
     assert p[8:12].tolist() == [0x88, 0x88, 10 << 4 | 1, 15 << 4 | 9]
     assert c.decompress(p, 8).tolist() == [0.0, 0.0, 0.0, 0.0, -3.5, 1.0, 0.5, 3.5]
+
+
+def test_int2_codes_by_hand():
+    # chunk 0 all zero (scale 0, q = 0 -> code 2); chunk 1 scale max|x| / 1 = 4, x/4 = -1, 0.375, 0.5, 1
+    # -> q = -1, 0, 1, 1 (halves round up) -> codes 1, 2, 3, 3; element 4j+i in bits 2i..2i+1.
+    c = Int2Compressor(4)
+    x = torch.tensor([0.0, 0.0, 0.0, 0.0, -4.0, 1.5, 2.0, 4.0, 3.0])
+    p = c.compress(x)
+    assert p.numel() == 3 * 4 + 4  # three scales, ceil(9/4) = 3 code bytes padded to 4
+    assert p[:12].clone().view(torch.float32).tolist() == [0.0, 4.0, 3.0]
+    assert p[12:16].tolist() == [0b10101010, 3 << 6 | 3 << 4 | 2 << 2 | 1, 0b10101000 | 3, 0]
+    assert c.decompress(p, 9).tolist() == [0.0, 0.0, 0.0, 0.0, -4.0, 0.0, 4.0, 4.0, 3.0]
 
 
 def test_nonfinite_spreads_to_its_chunk_only():
@@ -161,7 +178,7 @@ def test_decompress_reads_misaligned_slice():
 
 
 def test_errors_name_arguments():
-    with pytest.raises(ValueError, match="int4, int8, topk"):
+    with pytest.raises(ValueError, match="int4, int8, int2, topk"):
         build_compressor("fp8", 256, 0.05)
     with pytest.raises(ValueError, match="chunk"):
         Int4Compressor(0)

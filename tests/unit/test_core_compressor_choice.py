@@ -16,7 +16,8 @@ def _ctrl(tiers, dp=2, tiered=True, core="int8", pinned=(), core_exact=False):
     units = [SimpleNamespace(pinned="core" if i in pinned else None) for i in range(len(tiers))]
     ctrl = SimpleNamespace(dp_size=dp, tiers=list(tiers), tiered=tiered, units=units,
                            compressor=Int4Compressor(256), core_exact=core_exact,
-                           core_compressor=Int8Compressor(256) if core else None)
+                           core_compressor=Int8Compressor(256) if core else None,
+                           stable_compressor=None, stable_fallback=False)
     ctrl._core_compressed = lambda: GRPOController._core_compressed(ctrl)
     return ctrl
 

@@ -1,0 +1,103 @@
+"""--grpo-stable-mode compressed: the stable tier synced every step on 2 bits (int2) with error
+feedback of its own, on 2 gloo ranks and real text. Every copy ends each step with the same
+bytes, counted bytes equal the analytic count, the monitor watches the tier and says "bad" when
+its error is above the limit (the tier then goes to the dynamic tier's compressor), and a resume
+is bit-identical. The planner's figures for it are tests/unit/test_stable_compressed_plan.py."""
+
+import pytest
+
+from harness import GRPO_SMALL, SMALL_MODEL, losses, probe_with_metrics, read_metrics, run_training, \
+    train_and_read
+
+STABLE2 = ["--grpo-stable-mode", "compressed", "--grpo-stable-compressor", "int2"]
+COMMON = [*SMALL_MODEL, *GRPO_SMALL, *STABLE2, "--train-iters", "20", "--eval-interval", "20",
+          "--eval-iters", "0"]
+
+
+def _check_copies_and_bytes(probe, metrics):
+    r0, r1 = probe["ranks"]
+    for a, b, m in zip(r0, r1, metrics):
+        assert a["tiers"] == b["tiers"]
+        assert a["digest"] == b["digest"], f"model copies differ after iteration {a['iteration']}"
+        for tier in ("core", "dynamic", "stable"):
+            assert m[f"wire_bytes_{tier}"] == a["expected"][tier], (a["iteration"], tier)
+
+
+@pytest.fixture(scope="module")
+def int2_probe(stdlib_data, tmp_path_factory):
+    return probe_with_metrics(tmp_path_factory.mktemp("stable2"), 2,
+                              [*COMMON, "--data-path", stdlib_data])
+
+
+def test_stable_int2_every_step_copies_identical(int2_probe):
+    probe, metrics = int2_probe
+    _check_copies_and_bytes(probe, metrics)
+    tiered = [m for m in metrics if "s" in m["grpo_tier_map"]]
+    assert [m["iteration"] for m in tiered] == list(range(9, 21))
+    warm = metrics[0]["wire_bytes_core"]  # the exact warm-up: megatron's own sync of everything
+    for m in tiered:
+        # Every step, not every --grpo-stable-interval (4 here): 2 x (1/4 + 4/256 bytes per
+        # element) against 4 + 4 exact, about 0.066, a little more where the small units pad.
+        assert m["grpo_stable_update"] is True
+        exact = m["grpo_share_stable"] * warm
+        assert 0.05 * exact < m["wire_bytes_stable"] < 0.1 * exact, m["iteration"]
+    # Stable units keep their own residuals and never wait with a carry (they sync every step).
+    for rank in probe["ranks"]:
+        for rec in rank[9:]:
+            assert not rec["carry_units"] or all(rec["tiers_after"][u] != "stable"
+                                                 for u in rec["carry_units"]), rec["iteration"]
+        assert any(rec["tiers_after"][u] == "stable" for rec in rank[9:] for u in rec["ef_units"])
+        # No stable unit is ever frozen: it computes and syncs its gradient every step.
+        assert all(not rec["frozen"] for rec in rank)
+
+
+def test_stable_int2_health_measured_and_left_alone(int2_probe):
+    # int2 holds back most small values (ternary, a half-max threshold): a relative error of
+    # ~0.7-0.8, below the default limit of 0.98, so the tier stays on int2.
+    _, metrics = int2_probe
+    checks = [m for m in metrics if "grpo_rel_error_stable" in m]
+    assert [m["iteration"] for m in checks] == [12, 16, 20]
+    for m in checks:
+        assert 0.4 < m["grpo_rel_error_stable"] < 0.95 and m["grpo_cosine_stable"] > 0.3, m["iteration"]
+    assert not any(m["grpo_stable_fallback"] for m in metrics)
+
+
+def test_bad_stable_tier_falls_back_to_the_dynamic_compressor_and_resumes(stdlib_data, tmp_path):
+    # A limit of 0.3 makes int2's ~0.75 bad: the checks of 12 and 16 trigger the fallback from
+    # iteration 17 on, and the stable tier then sends int4 bytes (more than int2's).
+    bad = [*COMMON, "--data-path", stdlib_data, "--grpo-max-compression-error", "0.3",
+           "--grpo-gvr-window", "2", "--grpo-retier-interval", "100"]
+    probe, m = probe_with_metrics(tmp_path, 2, bad)
+    _check_copies_and_bytes(probe, m)
+    assert all(r["grpo_rel_error_dynamic"] < 0.3 for r in m if "grpo_rel_error_dynamic" in r)
+    events = [e for r in m for e in r.get("grpo_retier", [])]
+    assert [e["iteration"] for e in events] == [9, 17]
+    assert events[1]["reason"].startswith("remediation: stable relative compression error ")
+    assert events[1]["reason"].endswith("stable sent with --grpo-compressor int4 from here on")
+    assert [r["grpo_stable_fallback"] for r in m] == [False] * 16 + [True] * 4
+    assert m[15]["grpo_tier_map"] == m[16]["grpo_tier_map"]  # nothing moved, only the compressor
+    assert m[16]["wire_bytes_stable"] > 1.7 * m[15]["wire_bytes_stable"]
+    # The fallback is checkpointed: a resume from iteration 17 goes on with int4, bit for bit.
+    ckpt, resumed_path = str(tmp_path / "ck"), str(tmp_path / "resumed.jsonl")
+    run_training(2, [*bad, "--save", ckpt, "--save-interval", "17", "--exit-after-iter", "18",
+                     "--metrics-file", resumed_path])
+    run_training(2, [*bad, "--load", ckpt, "--metrics-file", resumed_path])
+    resumed = read_metrics(resumed_path)[18:]
+    assert [r["iteration"] for r in resumed] == [18, 19, 20]
+    assert [r["grpo_stable_fallback"] for r in resumed] == [True] * 3
+    assert losses(resumed) == losses(m)[17:]
+    assert [r["wire_bytes_stable"] for r in resumed] == [r["wire_bytes_stable"] for r in m[17:]]
+
+
+def test_resume_with_stable_residuals_is_bit_identical(stdlib_data, tmp_path):
+    common = [*COMMON, "--data-path", stdlib_data, "--train-iters", "16", "--eval-interval", "16"]
+    full = train_and_read(tmp_path, "full", 2, common)
+    ckpt, metrics = str(tmp_path / "ck"), str(tmp_path / "resumed.jsonl")
+    run_training(2, [*common, "--save", ckpt, "--save-interval", "10", "--exit-after-iter", "11",
+                     "--metrics-file", metrics])
+    run_training(2, [*common, "--load", ckpt, "--metrics-file", metrics])
+    resumed = read_metrics(metrics)[11:]
+    assert [r["iteration"] for r in resumed] == list(range(11, 17))
+    assert losses(resumed) == losses(full)[10:]
+    assert full[-1]["wire_bytes_stable"] > 0
+    assert [r["wire_bytes_stable"] for r in resumed] == [r["wire_bytes_stable"] for r in full[10:]]
