@@ -44,7 +44,8 @@ class InterNodeTraffic:
     hier_dynamic: int
     """GRPO hierarchical, dynamic tier, every step."""
     hier_stable_update: int
-    """GRPO hierarchical, stable tier on its update step (exact), 0 on the other steps."""
+    """GRPO hierarchical, stable tier on its update step (exact), 0 on the other steps; in
+    --grpo-stable-mode compressed its compressed all-reduce, every step."""
     stable_interval: int
     """Steps between stable updates (0: never)."""
 

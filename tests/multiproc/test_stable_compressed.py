@@ -33,7 +33,9 @@ def test_stable_int2_every_step_copies_identical(int2_probe):
     probe, metrics = int2_probe
     _check_copies_and_bytes(probe, metrics)
     tiered = [m for m in metrics if "s" in m["grpo_tier_map"]]
-    assert [m["iteration"] for m in tiered] == list(range(9, 21))
+    # Tiered right after the 6-step warm-up: with no stable interval to wait for, the first
+    # plan comes at iteration 7 (a frozen or delayed tier waits for the step after an update).
+    assert [m["iteration"] for m in tiered] == list(range(7, 21))
     warm = metrics[0]["wire_bytes_core"]  # the exact warm-up: megatron's own sync of everything
     for m in tiered:
         # Every step, not every --grpo-stable-interval (4 here): 2 x (1/4 + 4/256 bytes per
@@ -43,10 +45,10 @@ def test_stable_int2_every_step_copies_identical(int2_probe):
         assert 0.05 * exact < m["wire_bytes_stable"] < 0.1 * exact, m["iteration"]
     # Stable units keep their own residuals and never wait with a carry (they sync every step).
     for rank in probe["ranks"]:
-        for rec in rank[9:]:
+        for rec in rank[7:]:
             assert not rec["carry_units"] or all(rec["tiers_after"][u] != "stable"
                                                  for u in rec["carry_units"]), rec["iteration"]
-        assert any(rec["tiers_after"][u] == "stable" for rec in rank[9:] for u in rec["ef_units"])
+        assert any(rec["tiers_after"][u] == "stable" for rec in rank[7:] for u in rec["ef_units"])
         # No stable unit is ever frozen: it computes and syncs its gradient every step.
         assert all(not rec["frozen"] for rec in rank)
 
@@ -56,27 +58,28 @@ def test_stable_int2_health_measured_and_left_alone(int2_probe):
     # ~0.7-0.8, below the default limit of 0.98, so the tier stays on int2.
     _, metrics = int2_probe
     checks = [m for m in metrics if "grpo_rel_error_stable" in m]
-    assert [m["iteration"] for m in checks] == [12, 16, 20]
+    assert [m["iteration"] for m in checks] == [8, 12, 16, 20]
     for m in checks:
         assert 0.4 < m["grpo_rel_error_stable"] < 0.95 and m["grpo_cosine_stable"] > 0.3, m["iteration"]
     assert not any(m["grpo_stable_fallback"] for m in metrics)
 
 
 def test_bad_stable_tier_falls_back_to_the_dynamic_compressor_and_resumes(stdlib_data, tmp_path):
-    # A limit of 0.3 makes int2's ~0.75 bad: the checks of 12 and 16 trigger the fallback from
-    # iteration 17 on, and the stable tier then sends int4 bytes (more than int2's).
+    # A limit of 0.3 makes int2's ~0.75 bad: the checks of 8 and 12 trigger the fallback from
+    # iteration 13 on, and the stable tier then sends int4 bytes (more than int2's).
     bad = [*COMMON, "--data-path", stdlib_data, "--grpo-max-compression-error", "0.3",
            "--grpo-gvr-window", "2", "--grpo-retier-interval", "100"]
     probe, m = probe_with_metrics(tmp_path, 2, bad)
     _check_copies_and_bytes(probe, m)
     assert all(r["grpo_rel_error_dynamic"] < 0.3 for r in m if "grpo_rel_error_dynamic" in r)
     events = [e for r in m for e in r.get("grpo_retier", [])]
-    assert [e["iteration"] for e in events] == [9, 17]
+    assert [e["iteration"] for e in events] == [7, 13]
     assert events[1]["reason"].startswith("remediation: stable relative compression error ")
     assert events[1]["reason"].endswith("stable sent with --grpo-compressor int4 from here on")
-    assert [r["grpo_stable_fallback"] for r in m] == [False] * 16 + [True] * 4
-    assert m[15]["grpo_tier_map"] == m[16]["grpo_tier_map"]  # nothing moved, only the compressor
-    assert m[16]["wire_bytes_stable"] > 1.7 * m[15]["wire_bytes_stable"]
+    # The flag is set at the end of the check's step (12); iteration 13 is the first on int4.
+    assert [r["grpo_stable_fallback"] for r in m] == [False] * 11 + [True] * 9
+    assert m[11]["grpo_tier_map"] == m[12]["grpo_tier_map"]  # nothing moved, only the compressor
+    assert m[12]["wire_bytes_stable"] > 1.7 * m[11]["wire_bytes_stable"]
     # The fallback is checkpointed: a resume from iteration 17 goes on with int4, bit for bit.
     ckpt, resumed_path = str(tmp_path / "ck"), str(tmp_path / "resumed.jsonl")
     run_training(2, [*bad, "--save", ckpt, "--save-interval", "17", "--exit-after-iter", "18",
