@@ -33,6 +33,10 @@ FROZEN = ["--grpo", *THREE_TIERS, "--grpo-stable-mode", "frozen"]
 _NO_STABLE = ["--grpo", "--grpo-core-compressor", "int8", "--grpo-dynamic-share", "0.85",
               "--grpo-stable-share", "0", "--grpo-max-dynamic-share", "0.85"]
 
+_STABLE_INT2 = ["--grpo", "--grpo-core-compressor", "int8", "--grpo-dynamic-share", "0.65",
+                "--grpo-stable-share", "0.2", "--grpo-max-dynamic-share", "0.65",
+                "--grpo-stable-mode", "compressed", "--grpo-stable-compressor", "int2"]
+
 CONTENDERS = [
     Contender("baseline", [], "megatron-core, exact"),
     Contender("importance", FROZEN, "ranked by sum |g|*|w| per element (the default score)"),
@@ -54,10 +58,17 @@ CONTENDERS = [
               "stable tier, ranked by importance"),
     Contender("random-core8-no-stable", [*_NO_STABLE, "--grpo-tier-policy", "random"],
               "the same two tiers on a fresh random draw at every re-tier"),
+    # Three bit widths (core int8, dynamic int4, stable int2 every step): the ranking decides
+    # which units get 2 bits. The same command as the front's core-int8-stable-int2.
+    Contender("importance-stable-int2", [*_STABLE_INT2], "core 0.15 int8, dynamic 0.65 int4, "
+              "stable 0.20 int2 every step, ranked by importance"),
+    Contender("random-stable-int2", [*_STABLE_INT2, "--grpo-tier-policy", "random"],
+              "the same three bit widths on a fresh random draw at every re-tier"),
 ]
 # (importance, random) pairs whose gap is tested against the seed-to-seed spread.
 PAIRS = [("importance", "random"), ("importance-core8", "random-core8"),
-         ("importance-core8-no-stable", "random-core8-no-stable")]
+         ("importance-core8-no-stable", "random-core8-no-stable"),
+         ("importance-stable-int2", "random-stable-int2")]
 
 
 def ranking_verdict(importance: Dict[int, Optional[float]], random: Dict[int, Optional[float]]) -> str:
