@@ -16,6 +16,9 @@ int2       n_c fp32 scales | ceil(N/4) bytes of four 2-bit codes | zero pad     
 topk       k int32 indices (ascending) | k fp32 values                          8 k
 =========  ===================================================================  =================
 
+int2 (comm/compress_int2.py) scales four non-uniform levels by each chunk's RMS; the others are
+here.
+
 Why the pad to 4 bytes: receivers slice a payload out of one big receive buffer at offsets that
 are multiples of the payload size; a multiple of 4 keeps every payload's fp32/int32 part aligned
 so it can be read in place (``view``) rather than copied.
@@ -307,8 +310,7 @@ class _ChunkQuantizer(Compressor):
         self.offset = 2 ** (self.bits - 1)
 
     def _code_bytes(self, numel: int) -> int:
-        per_byte = 8 // self.bits
-        return (numel + per_byte - 1) // per_byte
+        return numel * self.bits // 8 if self.bits == 8 else (numel + 1) // 2
 
     def payload_bytes(self, numel: int) -> int:
         if not isinstance(numel, int) or numel < 1:
@@ -356,19 +358,16 @@ class _ChunkQuantizer(Compressor):
         if self.bits == 8:
             dst.copy_(w[:, :numel])  # the cast writes the codes straight into the payload
             return
-        per_byte, mask = 8 // self.bits, (1 << self.bits) - 1
-        n_codes = per_byte * n_code_bytes  # numel rounded up; codes past numel encode 0
+        n_codes = 2 * n_code_bytes  # numel rounded up to even; codes past numel encode 0
         codes = torch.empty((rows, max(n_codes, padded)), dtype=torch.uint8, device=x2d.device)
         codes[:, :padded].copy_(w)
-        if n_codes > padded:  # numel not a multiple of per_byte, or < chunk
+        if n_codes > padded:  # odd numel that is a multiple of an odd chunk, or < chunk
             codes[:, padded:].fill_(self.offset)
-        packs = codes[:, :n_codes].view(rows, n_code_bytes, per_byte)
-        # Element per_byte*j + i in bits [i*bits, (i+1)*bits) of byte j (codes are in
-        # [1, 2**bits - 1]; the and is the copy into the strided payload rows, and a guard
-        # against spill into the next field).
-        torch.bitwise_and(packs[:, :, 0], mask, out=dst)
-        for i in range(1, per_byte):
-            dst.bitwise_or_(packs[:, :, i] << (i * self.bits))
+        pairs = codes[:, :n_codes].view(rows, n_code_bytes, 2)
+        # Element 2j in the low nibble, 2j+1 in the high one (codes are in [1, 15]; the and
+        # is the copy into the strided payload rows, and a guard against nibble spill).
+        torch.bitwise_and(pairs[:, :, 0], 15, out=dst)
+        dst.bitwise_or_(pairs[:, :, 1] << 4)
 
     def _decode_rows(self, payload2d: torch.Tensor, numel: int,
                      out2d: torch.Tensor) -> torch.Tensor:
@@ -382,16 +381,10 @@ class _ChunkQuantizer(Compressor):
         if self.bits == 8:
             q = torch.sub(raw, self.offset)
         else:
-            per_byte, mask = 8 // self.bits, (1 << self.bits) - 1
-            codes = torch.empty((rows, n_code_bytes, per_byte), dtype=torch.uint8,
-                                device=payload2d.device)
-            torch.bitwise_and(raw, mask, out=codes[:, :, 0])
-            for i in range(1, per_byte):
-                field = codes[:, :, i]
-                torch.bitwise_right_shift(raw, i * self.bits, out=field)
-                if i < per_byte - 1:
-                    field.bitwise_and_(mask)
-            q = codes.sub_(self.offset).view(rows, per_byte * n_code_bytes)[:, :numel]
+            codes = torch.empty((rows, n_code_bytes, 2), dtype=torch.uint8, device=payload2d.device)
+            torch.bitwise_and(raw, 15, out=codes[:, :, 0])
+            torch.bitwise_right_shift(raw, 4, out=codes[:, :, 1])
+            q = codes.sub_(self.offset).view(rows, 2 * n_code_bytes)[:, :numel]
         values = out2d
         values.copy_(q.view(torch.int8))
         # Whole chunks as a [R, full, C] view, the short last chunk (if any) on its own: no
@@ -418,16 +411,6 @@ class Int8Compressor(_ChunkQuantizer):
 
     name = "int8"
     bits = 8
-
-
-class Int2Compressor(_ChunkQuantizer):
-    """2-bit symmetric (ternary) quantisation, q in [-1, 0, 1], fp32 scale per ``chunk``
-    elements (14.2:1 at 256). Elements under half their chunk's max |x| send 0 and wait in the
-    error-feedback residual, so it suits the units whose gradients matter least (a tier's
-    compressor: --grpo-stable-compressor), not a whole model."""
-
-    name = "int2"
-    bits = 2
 
 
 class TopKCompressor(Compressor):
@@ -497,6 +480,8 @@ def build_compressor(name: str, chunk: int = 256, topk_ratio: float = 0.05) -> C
     if name == "int8":
         return Int8Compressor(chunk)
     if name == "int2":
+        from megatron_grpo.comm.compress_int2 import Int2Compressor  # it builds on this module
+
         return Int2Compressor(chunk)
     if name == "topk":
         return TopKCompressor(topk_ratio)

@@ -6,7 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_grpo.comm.compress import Int2Compressor, Int4Compressor, Int8Compressor
+from megatron_grpo.comm.compress import Int4Compressor, Int8Compressor
+from megatron_grpo.comm.compress_int2 import Int2Compressor
 from megatron_grpo.config import GRPOConfig, GRPOConfigError
 from megatron_grpo.controller import GRPOController
 from megatron_grpo.planner import ClusterSpec, ModelSpec, plan
