@@ -101,8 +101,8 @@ class GRPOConfig:
     --grpo-stable-compressor (2 bits by default) with error feedback of their own: the ranking
     then gives the least important units the fewest bits (--grpo-stable-interval is unused)."""
     stable_compressor: str = "int2"
-    """Compressor of the stable tier in --grpo-stable-mode compressed: int2 (ternary, ~14:1 vs
-    fp32), int4 or int8, per-chunk fp32 scales (--grpo-compress-chunk). A compressed stable tier
+    """Compressor of the stable tier in --grpo-stable-mode compressed: int2 (four levels per
+    chunk set by its RMS, ~14:1 vs fp32), int4 or int8, per-chunk fp32 scales (--grpo-compress-chunk). A compressed stable tier
     whose relative compression error stays above --grpo-max-compression-error is sent with
     --grpo-compressor from then on."""
     gvr_interval: int = 10

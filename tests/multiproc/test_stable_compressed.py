@@ -54,18 +54,19 @@ def test_stable_int2_every_step_copies_identical(int2_probe):
 
 
 def test_stable_int2_health_measured_and_left_alone(int2_probe):
-    # int2 holds back most small values (ternary, a half-max threshold): a relative error of
-    # ~0.7-0.8, below the default limit of 0.98, so the tier stays on int2.
+    # int2 (four levels for the chunk's RMS) holds back ~0.34 of what was owed on Gaussian
+    # values, more on these heavier-tailed gradients (0.42-0.53 measured): below the default
+    # limit of 0.98, so the tier stays on int2.
     _, metrics = int2_probe
     checks = [m for m in metrics if "grpo_rel_error_stable" in m]
     assert [m["iteration"] for m in checks] == [8, 12, 16, 20]
     for m in checks:
-        assert 0.4 < m["grpo_rel_error_stable"] < 0.95 and m["grpo_cosine_stable"] > 0.3, m["iteration"]
+        assert 0.3 < m["grpo_rel_error_stable"] < 0.7 and m["grpo_cosine_stable"] > 0.75, m["iteration"]
     assert not any(m["grpo_stable_fallback"] for m in metrics)
 
 
 def test_bad_stable_tier_falls_back_to_the_dynamic_compressor_and_resumes(stdlib_data, tmp_path):
-    # A limit of 0.3 makes int2's ~0.75 bad: the checks of 8 and 12 trigger the fallback from
+    # A limit of 0.3 makes int2's ~0.45 bad (int4's ~0.14 stays good): the checks of 8 and 12 trigger the fallback from
     # iteration 13 on, and the stable tier then sends int4 bytes (more than int2's).
     bad = [*COMMON, "--data-path", stdlib_data, "--grpo-max-compression-error", "0.3",
            "--grpo-gvr-window", "2", "--grpo-retier-interval", "100"]
