@@ -102,9 +102,9 @@ class GRPOConfig:
     then gives the least important units the fewest bits (--grpo-stable-interval is unused)."""
     stable_compressor: str = "int2"
     """Compressor of the stable tier in --grpo-stable-mode compressed: int2 (four levels per
-    chunk set by its RMS, ~14:1 vs fp32), int4 or int8, per-chunk fp32 scales (--grpo-compress-chunk). A compressed stable tier
-    whose relative compression error stays above --grpo-max-compression-error is sent with
-    --grpo-compressor from then on."""
+    chunk set by its RMS, ~14:1 vs fp32), int4 or int8, one fp32 scale per chunk
+    (--grpo-compress-chunk). A compressed stable tier whose relative compression error stays
+    above --grpo-max-compression-error is sent with --grpo-compressor from then on."""
     gvr_interval: int = 10
     """Measure the dynamic tier's compression health (GVR, relative error, cosine) every this
     many iterations."""
