@@ -327,7 +327,7 @@ def _dynamic_bytes(numel: int, dp: int, param_bytes: int, grpo: GRPOConfig, comp
     return payload + gather
 
 
-def _parse_tiers(tiers: Sequence[str], n_units: int) -> List[str]:
+def parse_tiers(tiers: Sequence[str], n_units: int) -> List[str]:
     """Tier names from names or one-letter codes (a metrics ``grpo_tier_map`` string works)."""
     letters = {t[0]: t for t in TIERS}
     out = [t if t in TIERS else letters.get(t) for t in map(str, tiers)]
@@ -446,7 +446,7 @@ def plan(model: ModelSpec, cluster: ClusterSpec, grpo: GRPOConfig,
         mem_entry = max(per_stage, key=lambda e: stage_memory(e, None)[1].total)
         traffic_entry = max(per_stage, key=lambda e: sum(baseline_step_bytes(e[2], dp, 4, pb)))
     units = traffic_entry[3]
-    tier_list = _parse_tiers(tiers, len(units)) if tiers is not None else []
+    tier_list = parse_tiers(tiers, len(units)) if tiers is not None else []
     baseline_memory, grpo_memory = stage_memory(mem_entry, tier_list or None)
     grad_bytes, param_bytes = baseline_step_bytes(traffic_entry[2], dp, 4, pb)
 

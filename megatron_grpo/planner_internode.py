@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 from megatron_grpo.comm.analytic import baseline_step_bytes, ddp_bucket_numels
 from megatron_grpo.comm.compress import build_compressor
 from megatron_grpo.comm.wire_rules import _ring_allreduce  # the wire counter's own rule
-from megatron_grpo.planner import _parse_tiers, stage_param_numels
+from megatron_grpo.planner import parse_tiers, stage_param_numels
 
 
 @dataclass
@@ -105,7 +105,7 @@ def internode(model, cluster, grpo, bucket_size: Optional[int] = None,
                 if grpo.stable_mode == "compressed" else None)
     stable_b = [exact(n) if stable_c is None else compressed(n, stable_c) for n in units]
     if tiers is not None:
-        tier_list = _parse_tiers(tiers, len(units))
+        tier_list = parse_tiers(tiers, len(units))
         core = sum(b for b, t in zip(core_b, tier_list) if t == "core")
         dynamic = sum(b for b, t in zip(dyn_b, tier_list) if t == "dynamic")
         stable = sum(b for b, t in zip(stable_b, tier_list) if t == "stable")
