@@ -6,8 +6,8 @@ is bit-identical. The planner's figures for it are tests/unit/test_stable_compre
 
 import pytest
 
-from harness import GRPO_SMALL, SMALL_MODEL, losses, probe_with_metrics, read_metrics, run_training, \
-    train_and_read
+from harness import GRPO_SMALL, SMALL_MODEL, losses, probe_with_metrics, read_metrics, replica_groups, \
+    run_probe, run_training, train_and_read
 
 STABLE2 = ["--grpo-stable-mode", "compressed", "--grpo-stable-compressor", "int2"]
 COMMON = [*SMALL_MODEL, *GRPO_SMALL, *STABLE2, "--train-iters", "20", "--eval-interval", "20",
@@ -123,3 +123,28 @@ def test_stable_int2_between_instances_keeps_every_copy_identical(stdlib_data, t
     # share shrinks (compressed all-reduces between instances, exact inside).
     warm = m[2]["wire_bytes_inter_node"] / m[2]["wire_bytes"]
     assert all(r["wire_bytes_inter_node"] / r["wire_bytes"] < 0.5 * warm for r in tiered[1:])
+
+
+def test_stable_int2_with_tensor_parallel_copies_identical(stdlib_data, tmp_path):
+    # TP 2 x DP 2: layernorms and row-parallel biases are held by both tensor-parallel ranks;
+    # in an int2 stable unit they travel exactly beside the payload (comm.replicated), so all
+    # copies of a parameter (both data-parallel replicas, both TP ranks) keep the same bytes.
+    metrics = tmp_path / "m.jsonl"
+    probe = run_probe(tmp_path, 4, [*COMMON, "--data-path", stdlib_data, "--train-iters", "12",
+                                    "--eval-interval", "12", "--tensor-model-parallel-size", "2",
+                                    "--metrics-file", str(metrics)])
+    groups = replica_groups(probe)
+    assert len(groups) == 2 and all(len(g) == 2 for g in groups.values())
+    for first, other in groups.values():
+        assert "s" in first[-1]["tiers"]
+        for a, b in zip(first, other):
+            assert a["tiers"] == b["tiers"] and a["digest"] == b["digest"], a["iteration"]
+            assert a["replicated_digest"] == b["replicated_digest"], a["iteration"]
+    for step in zip(*probe["ranks"]):
+        assert len({rec["replicated_digest"] for rec in step}) == 1, step[0]["iteration"]
+    writer = next(rank for rank in probe["ranks"] if rank[0]["tp"] == 0)
+    recs = read_metrics(str(metrics))
+    for rec, m in zip(writer, recs):
+        for tier in ("core", "dynamic", "stable"):
+            assert m[f"wire_bytes_{tier}"] == rec["expected"][tier], (rec["iteration"], tier)
+    assert recs[-1]["wire_bytes_stable"] > 0
