@@ -10,8 +10,14 @@ a relative error of ~0.75, the values waiting many steps in the residual. Measur
 model (1,000 steps) it cost ~0.9 points of late loss on the least important 20 %. Here the scale
 is the chunk's RMS s, and the four levels are the Lloyd-Max quantiser of a Gaussian:
 +-0.4528 s and +-1.5104 s, thresholds 0 and +-0.9816 s (mean squared error 0.1175 s^2 for
-Gaussian values, relative error ~0.34). Nothing decodes to 0 unless its chunk is all zero;
-values past 1.51 s are clipped and what is clipped waits in the error-feedback residual.
+Gaussian values, relative error ~0.34). Values past 1.51 s are clipped and what is clipped
+waits in the error-feedback residual.
+
+No level is 0, so a zero decodes to +-0.4528 s unless its whole chunk is zero. Where a bucket
+sends zeros on purpose this is harmless: tensor-parallel replicated elements are overwritten by
+their exact sync (comm/replicated.py), and the padding of a bucket or shard is never read by
+the optimizer; their residuals stay bounded (error feedback on a zero signal). Every rank
+decodes the same bytes, so the copies stay identical (tests/multiproc/test_stable_compressed.py).
 
 Code of an element: 2 * (x > 0) + (|x| > 0.9816 s); element 4 j + i sits in bits 2 i, 2 i + 1
 of code byte j. Decoding is one fp32 product (level * s), so every rank decoding the same
