@@ -8,8 +8,8 @@ values and differs between TP ranks: the copies of a replicated parameter would 
 different updates and drift apart (measured: 10 of 15 replicated parameters differed after 14
 iterations at TP2 x DP2). So replicated elements leave the compressed payload (they are sent
 as zeros: int4, int8 and top-k encode them exactly; int2 has no zero level and decodes them to
-+-0.45 of the chunk's RMS, which ``put`` / ``apply_values`` then overwrite) and travel in one small exact
-collective of their own: an all-reduce of their gradients, and an all-reduce of their new
++-0.45 of the chunk's RMS, which ``put`` / ``apply_values`` then overwrite) and travel in one
+small exact collective of their own: an all-reduce of their gradients, and an all-reduce of their new
 values in which each owner contributes its own elements and every other rank contributes 0
 (x + 0 is exact, so every rank gets the owner's bytes). They are a tiny share of a bucket
 (about 6 * hidden per layer against 12 * hidden**2 / TP), so the exact path costs little.
