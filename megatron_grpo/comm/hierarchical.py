@@ -21,6 +21,12 @@ only, that of the all-gather (s_j - D(C(s_j)), added to its residual's row j, so
 again next step, once). The new residual is staged in ``ErrorFeedback`` and takes effect only
 when the step is applied. A shard whose length I does not divide is padded with zeros in a
 scratch copy (zeros quantise exactly); the residual then has the padded length.
+
+With tensor parallelism the shard may hold replicated elements (layernorms, row-parallel biases:
+every TP rank has a copy that must stay bit-identical). A chunk's scale depends on its TP-split
+neighbours, which differ between TP ranks, so those elements (``exact_offsets``, their offsets
+in the shard) are taken out of the payload and all-reduced exactly across the instances beside
+it, as comm/replicated.py does for the flat sync.
 """
 
 from __future__ import annotations
@@ -45,7 +51,8 @@ class InterInstanceAllReduce:
 
     def __init__(self, key: Hashable, shard: torch.Tensor, ef: ErrorFeedback, compressor: Compressor,
                  group, async_op: bool,
-                 stats: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None) -> None:
+                 stats: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None,
+                 exact_offsets: Optional[torch.Tensor] = None) -> None:
         self.key, self.shard, self.ef, self.compressor, self.group = key, shard, ef, compressor, group
         self.members = dist.get_world_size(group)
         self.me = dist.get_rank(group)
@@ -57,6 +64,11 @@ class InterInstanceAllReduce:
         else:
             self.work = torch.zeros(padded, dtype=shard.dtype, device=shard.device)
             self.work[:n].copy_(shard)
+        self.exact_offsets, self.exact, self.exact_handle = exact_offsets, None, None
+        if exact_offsets is not None:
+            self.exact = self.work.index_select(0, exact_offsets)
+            self.work.index_fill_(0, exact_offsets, 0.0)
+            self.exact_handle = dist.all_reduce(self.exact, group=group, async_op=async_op)
         owed = ef.owed(key, self.work).view(self.members, self.row)
         self.send = compressor.compress_rows(owed)
         delivered = compressor.decompress_rows(self.send, self.row)
@@ -87,6 +99,11 @@ class InterInstanceAllReduce:
         gathered = torch.empty((self.members, payload.shape[1]), dtype=torch.uint8, device=payload.device)
         dist.all_gather_into_tensor(gathered.view(-1), payload.view(-1), group=self.group)
         rows.copy_(self.compressor.decompress_rows(gathered, self.row))
+        if self.exact is not None:
+            if self.exact_handle is not None:
+                self.exact_handle.wait()
+            _used_on_current_stream(self.exact)
+            self.work.index_copy_(0, self.exact_offsets, self.exact)
         if self.work is not self.shard:
             self.shard.copy_(self.work[:self.shard.numel()])
         self.done = True

@@ -28,6 +28,7 @@ bucket layout, ready-count bookkeeping and overlap with backward stay as they ar
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch
 
@@ -74,6 +75,22 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
         shard = flat.numel() // size
         rank = self._group.rank()
         return flat[rank * shard:(rank + 1) * shard]
+
+    def _replicated_in_shard(self, i: int, bucket) -> Optional[torch.Tensor]:
+        """Offsets, in this rank's shard inside its instance, of the bucket's tensor-parallel
+        replicated elements (None without any): they cross instances exactly."""
+        rep = self.grpo.replicated.get((self.grpo_unit, i))
+        if rep is None:
+            return None
+        cache = self.__dict__.setdefault("_grpo_shard_replicated", {})
+        if i not in cache:
+            shard = bucket.grad_data.numel() // self._group.size()
+            start = self._group.rank() * shard
+            index = rep.index
+            offsets = index[(index >= start) & (index < start + shard)] - start
+            # The same shard position in every instance: all members agree on None.
+            cache[i] = offsets if offsets.numel() else None
+        return cache[i]
 
     def _side_stream(self):
         stream = self.grpo.side_stream
@@ -193,7 +210,8 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
                 own = self._own_shard(b.grad_data)
                 torch.distributed.reduce_scatter_tensor(own, b.grad_data, group=self._group)
                 handles.append(InterInstanceAllReduce((self.grpo_unit, i), own, ctrl.ef, compressor,
-                                                      inter, async_op, stats=stats))
+                                                      inter, async_op, stats=stats,
+                                                      exact_offsets=self._replicated_in_shard(i, b)))
         self.grad_reduce_handle = _Handles(handles) if async_op else _Completed()
 
     def _hold_stable_gradient(self) -> None:
@@ -296,13 +314,8 @@ def install(ddp_chunks: list, controller) -> None:
         instances = getattr(chunk.ddp_config, "num_distributed_optimizer_instances", 1)
         if instances > 1:
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-            # Not built for the hierarchy yet: tensor-parallel replicated elements travel beside
-            # the flat payload (comm.replicated), and PowerSGD's factors are all-reduced over
-            # the flat group; either would reach the wrong ranks between instances.
-            if controller.replicated:
-                raise ValueError(f"rank {rank}: GRPO with --num-distributed-optimizer-instances "
-                                 f"{instances} does not support --tensor-model-parallel-size > 1 yet: "
-                                 f"run TP 1, or one instance")
+            # Not built for the hierarchy yet: PowerSGD's factors are all-reduced over the flat
+            # group, so they would reach the wrong ranks between instances.
             if controller.powersgd is not None:
                 raise ValueError(f"rank {rank}: --grpo-compressor powersgd does not support "
                                  f"--num-distributed-optimizer-instances {instances}: use int4 or int8")

@@ -11,7 +11,8 @@ and a resume is exact.
 
 import pytest
 
-from harness import GRPO_SMALL, SMALL_MODEL, losses, read_metrics, run_training, train_and_read
+from harness import (GRPO_SMALL, SMALL_MODEL, losses, read_metrics, replica_groups, run_probe, run_training,
+                     train_and_read)
 
 NODES = {"MEGATRON_GRPO_RANKS_PER_NODE": "2"}
 HIER = ["--num-distributed-optimizer-instances", "2"]
@@ -132,9 +133,18 @@ def test_hierarchical_grpo_resume_is_bit_identical(stdlib_data, tmp_path, runs):
     assert [r["wire_bytes_inter_node"] for r in resumed] == [r["wire_bytes_inter_node"] for r in full[10:]]
 
 
-def test_grpo_hierarchy_refuses_tensor_parallel(stdlib_data, tmp_path):
-    proc = run_training(4, [*_common(stdlib_data), *HIER, *GRPO_SMALL, "--tensor-model-parallel-size", "2",
-                            "--train-iters", "2"], check=False, extra_env=NODES)
-    assert proc.returncode != 0
-    assert "--num-distributed-optimizer-instances 2 does not support --tensor-model-parallel-size" in (
-        proc.stdout + proc.stderr)
+def test_grpo_hierarchy_with_tensor_parallel_keeps_every_copy_identical(stdlib_data, tmp_path):
+    # TP 2 x DP 2, one instance per TP pair (the tensor-parallel ranks of a node): layernorms and
+    # row-parallel biases are held by both TP ranks and cross the instances exactly beside the
+    # compressed payload. Every copy (both instances, both TP ranks) keeps the same bytes.
+    probe = run_probe(tmp_path, 4, [*_common(stdlib_data), *HIER, *GRPO_SMALL, *CORE8,
+                                    "--tensor-model-parallel-size", "2", "--train-iters", "12",
+                                    "--eval-interval", "12", "--eval-iters", "0"])
+    groups = replica_groups(probe)
+    assert len(groups) == 2 and all(len(g) == 2 for g in groups.values())
+    for first, other in groups.values():
+        assert "d" in first[-1]["tiers"] and "c" in first[-1]["tiers"]
+        for a, b in zip(first, other):
+            assert a["tiers"] == b["tiers"] and a["digest"] == b["digest"], a["iteration"]
+    for step in zip(*probe["ranks"]):
+        assert len({rec["replicated_digest"] for rec in step}) == 1, step[0]["iteration"]

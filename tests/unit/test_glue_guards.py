@@ -18,15 +18,12 @@ def test_overlap_param_gather_is_refused_before_any_bucket_group_changes():
 
 
 @pytest.mark.parametrize("ctrl_extra, message", [
-    ({"replicated": {(0, 0): object()}, "powersgd": None},
-     r"rank 0: GRPO with --num-distributed-optimizer-instances 2 does not support "
-     r"--tensor-model-parallel-size > 1 yet"),
     ({"replicated": {}, "powersgd": object()},
      r"rank 0: --grpo-compressor powersgd does not support --num-distributed-optimizer-instances 2"),
 ])
 def test_partial_distributed_optimizer_refuses_what_it_does_not_carry(ctrl_extra, message):
-    # The hierarchy (issue 12) is built for data parallelism with the quantisers; tensor-parallel
-    # replicated elements and PowerSGD's factors would reach the wrong ranks between instances.
+    # The hierarchy (issue 12) is built for the quantisers; PowerSGD's factors would reach the
+    # wrong ranks between instances.
     group = SimpleNamespace()
     ctrl = SimpleNamespace(units=[SimpleNamespace(group=group, index=0)], **ctrl_extra)
     chunk = SimpleNamespace(ddp_config=SimpleNamespace(overlap_param_gather=False,
