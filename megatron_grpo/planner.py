@@ -353,17 +353,18 @@ def _memory(model: ModelSpec, cluster: ClusterSpec, buckets: List[int], unpadded
 
 
 def _place(g: Memory, units: List[int], elements: Dict[str, float], shard: float, dp: int,
-           stream: bool, residuals: bool = False) -> None:
+           stream: bool, residuals: bool = False, stable_every_step: bool = False) -> None:
     """The memory tier's effect on one rank (megatron_grpo/offload/placement.py). Streaming:
     the dynamic and stable units' masters and moments (12 bytes per shard element) are away at
     the peak but for two units' worth. Without streaming only the stable tier's state moves,
-    and only between its updates (the peak, an update step, keeps it)."""
+    and only between its updates (the peak, an update step, keeps it); a stable tier synced
+    every step (--grpo-stable-mode compressed) has no such gap and stays resident."""
     total = sum(elements.values()) or 1.0
     share = {t: elements[t] / total for t in elements}
     if stream:
         g.offloaded = max(0, round(12 * shard * (share["dynamic"] + share["stable"])
                                    - stream_window_bytes(units, dp)))
-    else:
+    elif not stable_every_step:
         g.offloaded_between_updates = round(12 * shard * share["stable"])
     if residuals and g.error_feedback:
         # Backward reads residuals lookahead (2) ahead: three buckets' worth resident.
@@ -437,7 +438,8 @@ def plan(model: ModelSpec, cluster: ClusterSpec, grpo: GRPOConfig,
                                  if dp > 1 else 0.0), accum_elements=accum)
         if offload is not None and offload.target != "none":
             _place(g, units, elements, sum(numels) / dp, dp, offload.stream,
-                   offload.residuals and grpo.compressor != "powersgd")
+                   offload.residuals and grpo.compressor != "powersgd",
+                   stable_every_step=stable_compressor is not None)
         return baseline, g
 
     if stage is not None:

@@ -68,6 +68,19 @@ def test_planner_stable_bytes_every_step_and_residuals():
     assert delayed.grpo_memory.delayed_accumulators > 0 and int2.grpo_memory.delayed_accumulators == 0
 
 
+def test_planner_offload_keeps_a_stable_tier_synced_every_step_resident():
+    # Without streaming only the stable tier's state moves, between its updates; a compressed
+    # stable tier updates every step, so nothing is away between updates.
+    from megatron_grpo.offload.config import OffloadConfig
+
+    c = ClusterSpec(nodes=1, gpus_per_node=8)
+    off = OffloadConfig(target="cpu", stream=False)
+    delayed = plan(MODEL, c, GRPOConfig(enabled=True, **TIERS), offload=off)
+    int2 = plan(MODEL, c, GRPOConfig(enabled=True, stable_mode="compressed", **TIERS), offload=off)
+    assert delayed.grpo_memory.offloaded_between_updates > 0
+    assert int2.grpo_memory.offloaded_between_updates == 0
+
+
 def test_internode_planner_stable_every_step():
     c = ClusterSpec(nodes=2, gpus_per_node=8, instances=2)
     delayed = internode(MODEL, c, GRPOConfig(enabled=True, **TIERS))
