@@ -110,6 +110,23 @@ def replica_groups(probe: dict) -> dict:
     return groups
 
 
+def assert_copies_agree(probe: dict, tier: str, tp_replicated: bool) -> None:
+    """Two model shards of two data-parallel copies each; every copy of a shard has the same
+    tiers and bytes (weights and replicated elements) after every step, and holds a unit of
+    ``tier`` (a one-letter code) at the end. ``tp_replicated``: the parameters every
+    tensor-parallel rank holds (layernorms, row-parallel biases) are the same bytes on all ranks."""
+    groups = replica_groups(probe)
+    assert len(groups) == 2 and all(len(g) == 2 for g in groups.values())
+    for first, other in groups.values():
+        assert tier in first[-1]["tiers"]
+        for a, b in zip(first, other):
+            assert a["tiers"] == b["tiers"] and a["digest"] == b["digest"], a["iteration"]
+            assert a["replicated_digest"] == b["replicated_digest"], a["iteration"]
+    if tp_replicated:
+        for step in zip(*probe["ranks"]):
+            assert len({rec["replicated_digest"] for rec in step}) == 1, step[0]["iteration"]
+
+
 def probe_with_metrics(tmp_path, nproc: int, args: Sequence[str], timeout: int = 300):
     """run_probe with a metrics file in ``tmp_path``: (probe JSON, the run's metric records)."""
     metrics = os.path.join(str(tmp_path), "m.jsonl")

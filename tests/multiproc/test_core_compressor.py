@@ -5,7 +5,7 @@ units are compressed (not the warm-up, not a unit pinned to core) is tests/unit/
 
 import pytest
 
-from harness import (GRPO_SMALL, SMALL_MODEL, losses, probe_with_metrics, read_metrics, replica_groups,
+from harness import (GRPO_SMALL, SMALL_MODEL, assert_copies_agree, losses, probe_with_metrics, read_metrics,
                      run_probe, train_and_read)
 
 CORE8 = ["--grpo-core-compressor", "int8"]
@@ -130,17 +130,8 @@ def test_core_int8_with_tp_and_pp(stdlib_data, tmp_path, layout):
                                     "--data-path", stdlib_data, "--train-iters", "10",
                                     "--eval-iters", "0", "--eval-interval", "10",
                                     "--metrics-file", str(metrics)])
-    groups = replica_groups(probe)
-    assert len(groups) == 2 and all(len(g) == 2 for g in groups.values())
-    for first, other in groups.values():
-        assert "c" in first[-1]["tiers"]
-        for a, b in zip(first, other):
-            assert a["tiers"] == b["tiers"] and a["digest"] == b["digest"], a["iteration"]
-            assert a["replicated_digest"] == b["replicated_digest"], a["iteration"]
-    if "--tensor-model-parallel-size" in layout:
-        # Layernorms and row-parallel biases: the same bytes on both tensor-parallel ranks.
-        for step in zip(*probe["ranks"]):
-            assert len({rec["replicated_digest"] for rec in step}) == 1, step[0]["iteration"]
+    # With TP, layernorms and row-parallel biases: the same bytes on both tensor-parallel ranks.
+    assert_copies_agree(probe, "c", tp_replicated="--tensor-model-parallel-size" in layout)
     # Metrics are the counts of the rank holding the loss: last stage, TP rank 0, first replica.
     last = max(rank[0]["pp"] for rank in probe["ranks"])
     writer = next(rank for rank in probe["ranks"] if rank[0]["pp"] == last and rank[0]["tp"] == 0)

@@ -5,7 +5,7 @@ TP2 x DP2 and PP2 x DP2."""
 
 import pytest
 
-from harness import GRPO_SMALL, LLAMA_SMALL, probe_with_metrics, replica_groups, run_training
+from harness import GRPO_SMALL, LLAMA_SMALL, assert_copies_agree, probe_with_metrics, run_training
 
 LLAMA = LLAMA_SMALL
 
@@ -44,16 +44,8 @@ def test_llama_copies_agree_with_tp_and_pp(stdlib_data, tmp_path, layout):
     probe, _ = probe_with_metrics(tmp_path, 4, [*LLAMA, *GRPO_SMALL, *layout, "--data-path", stdlib_data,
                                                 "--train-iters", "10", "--eval-iters", "0",
                                                 "--eval-interval", "10"])
-    groups = replica_groups(probe)
-    assert len(groups) == 2 and all(len(g) == 2 for g in groups.values())
-    for first, other in groups.values():
-        assert "d" in first[-1]["tiers"]
-        for a, b in zip(first, other):
-            assert a["tiers"] == b["tiers"] and a["digest"] == b["digest"], a["iteration"]
-    if "--tensor-model-parallel-size" in layout:
-        # The RMSNorm weights are on both tensor-parallel ranks: the same bytes after every step.
-        for step in zip(*probe["ranks"]):
-            assert len({rec["replicated_digest"] for rec in step}) == 1, step[0]["iteration"]
+    # With TP, the RMSNorm weights are on both tensor-parallel ranks: the same bytes after every step.
+    assert_copies_agree(probe, "d", tp_replicated="--tensor-model-parallel-size" in layout)
 
 
 def test_activation_recompute_trains_the_same_bits_with_grpo(stdlib_data, tmp_path):

@@ -6,7 +6,7 @@ is bit-identical. The planner's figures for it are tests/unit/test_stable_compre
 
 import pytest
 
-from harness import GRPO_SMALL, SMALL_MODEL, losses, probe_with_metrics, read_metrics, replica_groups, \
+from harness import GRPO_SMALL, SMALL_MODEL, assert_copies_agree, losses, probe_with_metrics, read_metrics, \
     run_probe, run_training, train_and_read
 
 STABLE2 = ["--grpo-stable-mode", "compressed", "--grpo-stable-compressor", "int2"]
@@ -133,15 +133,7 @@ def test_stable_int2_with_tensor_parallel_copies_identical(stdlib_data, tmp_path
     probe = run_probe(tmp_path, 4, [*COMMON, "--data-path", stdlib_data, "--train-iters", "12",
                                     "--eval-interval", "12", "--tensor-model-parallel-size", "2",
                                     "--metrics-file", str(metrics)])
-    groups = replica_groups(probe)
-    assert len(groups) == 2 and all(len(g) == 2 for g in groups.values())
-    for first, other in groups.values():
-        assert "s" in first[-1]["tiers"]
-        for a, b in zip(first, other):
-            assert a["tiers"] == b["tiers"] and a["digest"] == b["digest"], a["iteration"]
-            assert a["replicated_digest"] == b["replicated_digest"], a["iteration"]
-    for step in zip(*probe["ranks"]):
-        assert len({rec["replicated_digest"] for rec in step}) == 1, step[0]["iteration"]
+    assert_copies_agree(probe, "s", tp_replicated=True)
     writer = next(rank for rank in probe["ranks"] if rank[0]["tp"] == 0)
     recs = read_metrics(str(metrics))
     for rec, m in zip(writer, recs):
