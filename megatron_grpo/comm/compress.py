@@ -60,6 +60,19 @@ def _round4(nbytes: int) -> int:
     return (nbytes + 3) // 4 * 4
 
 
+def chunk_view(x2d: torch.Tensor, chunk: int):
+    """Rows [R, N] as a chunk-major [R, n_c, C] view, zero-padded to n_c * C (one copy) when C
+    does not divide N; N < C is one chunk of N, no copy. Returns (view, n_c, padded length)."""
+    rows, numel = x2d.shape
+    n_chunks = -(-numel // chunk)
+    padded = n_chunks * chunk if numel > chunk else numel
+    if padded == numel:
+        return x2d.view(rows, n_chunks, padded // n_chunks), n_chunks, padded
+    xp = x2d.new_zeros((rows, padded))
+    xp[:, :numel].copy_(x2d)
+    return xp.view(rows, n_chunks, chunk), n_chunks, padded
+
+
 def _bytes_as(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Reinterpret payload bytes (last dim) as ``dtype``; copies only when misaligned."""
     try:
@@ -321,15 +334,8 @@ class _ChunkQuantizer(Compressor):
     def _encode_rows(self, x2d: torch.Tensor, payload2d: torch.Tensor) -> None:
         rows, numel = x2d.shape
         chunk = self.chunk
-        n_chunks = -(-numel // chunk)
-        padded = n_chunks * chunk if numel > chunk else numel  # zero padding doesn't change amax
+        xc, n_chunks, padded = chunk_view(x2d, chunk)  # zero padding doesn't change amax
         start, n_code_bytes = 4 * n_chunks, self._code_bytes(numel)
-        if padded == numel:
-            xc = x2d.view(rows, n_chunks, padded // n_chunks)  # whole chunks, or N < C: no copy
-        else:
-            xp = x2d.new_zeros((rows, padded))
-            xp[:, :numel].copy_(x2d)
-            xc = xp.view(rows, n_chunks, chunk)
         lo, hi = torch.aminmax(xc, dim=2)  # no |x| temporary of the full size
         amax = torch.maximum(hi, lo.neg())
         small = amax < _MIN_CHUNK_MAX  # False for a NaN max: such a chunk counts as usable

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_grpo.comm.compress import Compressor, _bytes_as, _round4
+from megatron_grpo.comm.compress import Compressor, _bytes_as, _round4, chunk_view
 
 INNER, OUTER, THRESHOLD = 0.4528, 1.5104, 0.9816
 """Lloyd-Max levels and decision threshold of a unit Gaussian at 4 levels, in units of the RMS."""
@@ -51,21 +51,10 @@ class Int2Compressor(Compressor):
             raise ValueError(f"payload_bytes: numel must be a positive int, got {numel!r}")
         return 4 * -(-numel // self.chunk) + _round4((numel + 3) // 4)
 
-    def _chunks(self, numel: int):
-        n_chunks = -(-numel // self.chunk)
-        padded = n_chunks * self.chunk if numel > self.chunk else numel
-        return n_chunks, padded
-
     def _encode_rows(self, x2d: torch.Tensor, payload2d: torch.Tensor) -> None:
         rows, numel = x2d.shape
-        n_chunks, padded = self._chunks(numel)
+        xc, n_chunks, padded = chunk_view(x2d, self.chunk)
         start, n_code_bytes = 4 * n_chunks, (numel + 3) // 4
-        if padded == numel:
-            xc = x2d.view(rows, n_chunks, padded // n_chunks)
-        else:
-            xp = x2d.new_zeros((rows, padded))
-            xp[:, :numel].copy_(x2d)
-            xc = xp.view(rows, n_chunks, self.chunk)
         # The RMS over the chunk's real elements: the zero padding of a short last chunk adds
         # nothing to the sum of squares and is left out of the count.
         count = torch.full((n_chunks,), float(xc.shape[2]), dtype=torch.float32, device=x2d.device)
@@ -93,7 +82,7 @@ class Int2Compressor(Compressor):
     def _decode_rows(self, payload2d: torch.Tensor, numel: int,
                      out2d: torch.Tensor) -> torch.Tensor:
         rows = payload2d.shape[0]
-        n_chunks, _ = self._chunks(numel)
+        n_chunks = -(-numel // self.chunk)
         start, n_code_bytes = 4 * n_chunks, (numel + 3) // 4
         scale = _bytes_as(payload2d[:, :start], torch.float32)
         raw = payload2d[:, start:start + n_code_bytes]
