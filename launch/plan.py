@@ -51,6 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB,
                    help="tokenizer vocabulary before padding (the data decides it in training; "
                         "byte tokenizer: 258)")
+    p.add_argument("--largest-model", action="store_true",
+                   help="also search the largest --num-layers (the rest of the config kept) whose "
+                        "peak per GPU fits --gpu-memory-gb, baseline and GRPO (with the --grpo-offload "
+                        "flags given); docs/planner.md")
+    p.add_argument("--reserve-gb", type=float, default=0.0,
+                   help="with --largest-model: memory per GPU held outside model state and "
+                        "activations (CUDA context, NCCL buffers, fragmentation; on CPU the "
+                        "process's runtime), GB")
     p.add_argument("--attention", choices=("flash", "unfused"), default="flash",
                    help="flash: transformer-engine attention on CUDA; unfused: megatron's local "
                         "spec (CPU mode), which keeps the s x s scores")
@@ -98,6 +106,19 @@ def presets_table() -> str:
     return format_table([p for _, p in plans], [n for n, _ in plans])
 
 
+def largest_models(model, cluster, grpo, bucket, offload, memory_gb: float, reserve_gb: float) -> str:
+    """--largest-model: the baseline's and GRPO's largest layer count under memory_gb per GPU."""
+    from megatron_grpo.planner_capacity import format_capacity, largest_model
+
+    if reserve_gb < 0 or reserve_gb >= memory_gb:
+        raise ValueError(f"--reserve-gb must be >= 0 and below --gpu-memory-gb ({memory_gb:g}), "
+                         f"got {reserve_gb:g}")
+    caps = [largest_model(model, cluster, grpo, int(memory_gb * 1e9), which,
+                          reserve_bytes=int(reserve_gb * 1e9), bucket_size=bucket, offload=offload)
+            for which in ("baseline", "grpo")]
+    return format_capacity(caps, memory_gb, reserve_gb)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     from megatron_grpo.planner import format_plan, plan
     from megatron_grpo.training.arguments import ConfigError
@@ -113,6 +134,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         name = next((a for a in train_argv if a.endswith((".yaml", ".yml"))), "model")
         p = plan(model, cluster, grpo, bucket_size=bucket, offload=offload)
         print(format_plan(p, os.path.basename(name)))
+        if args.largest_model:
+            print(largest_models(model, cluster, grpo, bucket, offload, args.gpu_memory_gb,
+                                 args.reserve_gb))
         if cluster.nodes > 1 or cluster.instances > 1:
             from megatron_grpo.planner_internode import format_internode, internode
 

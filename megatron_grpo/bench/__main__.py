@@ -1,4 +1,4 @@
-"""python -m megatron_grpo.bench {comm,quality,compute,memory,slowlink,all,ablation,front} --out DIR
+"""python -m megatron_grpo.bench {comm,quality,compute,memory,slowlink,all,ablation,front,internode,memcap} --out DIR
 
 Each suite runs its contenders in one invocation (same seed, data and steps, real training entry
 under torchrun), prints a table of ratios against the megatron baseline, and writes
@@ -26,7 +26,7 @@ from megatron_grpo.bench.suite import command_line
 
 SUITES = ("comm", "quality", "compute", "memory", "slowlink")
 # Issue 9's studies: not part of `all` (they are sweeps of many runs); run them by name.
-STUDIES = ("ablation", "front", "internode")
+STUDIES = ("ablation", "front", "internode", "memcap")
 
 
 class BenchArgs(argparse.Namespace):
@@ -57,6 +57,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds (quality: 1234 4321)")
     p.add_argument("--rates", nargs="+", default=None,
                    help="slowlink: tc rates of the link (default 100mbit)")
+    p.add_argument("--cap-gb", type=float, default=None,
+                   help="memcap: the memory cap on the whole job, GB (default 4)")
     p.add_argument("--no-reuse", action="store_true", help="retrain runs that are complete")
     p.add_argument("--only", nargs="+", default=None, metavar="CONTENDER",
                    help="train just these contenders of the suite (e.g. to run them as parallel "

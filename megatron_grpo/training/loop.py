@@ -27,6 +27,7 @@ from megatron_grpo.metrics import MetricsLogger, peak_rss_bytes, step_peak_rss_b
 from megatron_grpo.platform import select_platform
 from megatron_grpo.training import checkpointing
 from megatron_grpo.training.config import PretrainConfig
+from megatron_grpo.training.memory_budget import current_base_bytes
 from megatron_grpo.training.model import (build_model, data_parallel_info, init_distributed,
                                           is_metrics_rank, model_parallel_init, optional_device_peak)
 from megatron_grpo.training.step import ForwardStep, evaluate, microbatch_layout, train_step
@@ -156,7 +157,7 @@ def _apply_memory_budget(cfg: PretrainConfig, platform, vocab: int):
 
     attention = "flash" if layer_spec(platform)[1] == "transformer_engine" else "unfused"
     cfg.offload, budget = memory_budget.choose(cfg, vocab, attention, dist.get_world_size(),
-                                               memory_budget.current_base_bytes(platform),
+                                               current_base_bytes(platform),
                                                rank=dist.get_rank())
     if dist.get_rank() == 0:
         print(f"[{cfg.logging.run_name}] {budget.describe()}", flush=True)
@@ -188,6 +189,9 @@ def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption) -> RunSu
     num_mb, _ = microbatch_layout(gbs, mbs, dp_size)
 
     budget = _apply_memory_budget(cfg, platform, tokenizer.vocab_size)
+    # What the process holds before the model (CPU: resident set; CUDA: allocated): the part of
+    # the peak the planner does not model, logged so its predictions can be held to runs.
+    before_model = current_base_bytes(platform)
     built = build_model(cfg, platform, tokenizer.vocab_size, hooks.optimizer_factory,
                         ddp_class=hooks.ddp_class, bucket_size=hooks.bucket_size)
     hooks.after_build(built)
@@ -270,6 +274,7 @@ def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption) -> RunSu
             "wire_calls": wire["calls"],
             "consumed_samples": train_iter.consumed_samples,
             "skipped": not result.update_successful,
+            "memory_before_model_bytes": before_model,
         }
         # Per-step peaks (reset after each read), so memory freed after warm-up -- the memory
         # tier's offload -- shows; the whole-run peaks are their running maxima.

@@ -1,0 +1,294 @@
+"""Largest model under one fixed memory cap (issue 10): baseline, GRPO, GRPO with its memory tier.
+
+The whole job -- torchrun's agent and both ranks -- runs in one cgroup v1 memory group whose
+limit is the cap (``--cap-gb``, default 4 GB), as a SLURM job under ``ConstrainRAMSpace`` does.
+The model is the memory suite's (``mem100m.yaml``: hidden 768, 12 heads, fp32 on CPU) with only
+``--num-layers`` changed; a size fits when its run trains all its iterations (GRPO's warm-up, the
+tiering step and tiered steps after it) and the kernel killed nothing. For each contender the
+search starts at the planner's prediction and walks one layer at a time to the boundary: the
+largest size that trains with one layer more killed by the OOM killer. A failure that is not an
+OOM kill stops the benchmark (it is never counted as "does not fit").
+
+The planner's prediction (``megatron_grpo.planner_capacity``: model state and activations per
+rank) is then made again with what the runs measured outside its model -- each rank's memory
+before the model, and the agent's and page cache's share of the group's peak -- and compared
+with the measured largest size. The same invocation measures the disk with ``dd`` (O_DIRECT,
+the offload directory's file system) and sets the memory tier's own copy rates in training
+beside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import statistics
+import subprocess
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+from megatron_grpo.bench import cgroup
+from megatron_grpo.bench.runner import (CONFIGS, REPO, BenchError, Contender, Runner, _free_port,
+                                        read_records, training_key)
+from megatron_grpo.bench.suite import SuiteResult
+
+DEFAULT_CONFIG = os.path.join(CONFIGS, "mem100m.yaml")
+DEFAULT_CAP_GB = 4.0
+ITERS = 8
+"""mem100m.yaml: warm-up 4, tiering at 5, a stable update at 8: every kind of step is in."""
+ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}  # freed host memory returns to the OS
+START_RESERVE = 0.55e9
+"""Per-rank memory outside the model guessed for the search's first size only (the figures
+are re-made with the measured value)."""
+START_OVERHEAD = 0.3e9
+"""The agent's and page cache's share of the cap guessed for the first size only."""
+MAX_PROBES = 8
+DD_MB = 512
+
+
+def offload_dir(out: str) -> str:
+    path = os.path.join(os.path.abspath(out), "memcap", "offload")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def contenders(out: str) -> List[Contender]:
+    return [
+        Contender("baseline", [], "megatron-core, every byte of state in host memory"),
+        Contender("grpo", ["--grpo"], "GRPO defaults, no memory tier"),
+        Contender("grpo-ssd", ["--grpo", "--grpo-offload", "ssd", "--grpo-offload-dir",
+                               offload_dir(out)],
+                  "GRPO defaults with the memory tier: the dynamic and stable tiers' masters, "
+                  "Adam moments and error-feedback residuals on SSD, streamed"),
+    ]
+
+
+@dataclasses.dataclass
+class Probe:
+    """One run at one size under the cap."""
+
+    layers: int
+    ok: bool
+    """Trained every iteration, nothing killed."""
+    oom_kills: int
+    returncode: int
+    job_peak_bytes: int
+    """The cgroup's peak charge: agent, ranks and page cache."""
+    rank_peak_bytes: Optional[int] = None
+    """Rank 0's whole-run peak RSS (records), when it logged any."""
+    before_model_bytes: Optional[int] = None
+    seconds: float = 0.0
+    offload_gbps: Dict[str, float] = dataclasses.field(default_factory=dict)
+    """Median per-copy write and read rates of the memory tier over its tiered steps."""
+
+
+def find_largest(fits: Callable[[int], bool], start: int, max_probes: int = MAX_PROBES) -> int:
+    """The largest n >= 1 with fits(n), walking one step at a time from ``start`` to the
+    boundary (fits(n) and not fits(n + 1)); 0 when fits(1) is false. Each size is tried once."""
+    if start < 1:
+        raise ValueError(f"start must be >= 1, got {start}")
+    seen: Dict[int, bool] = {}
+    n = start
+    while len(seen) < max_probes:
+        seen[n] = fits(n)
+        if seen[n]:
+            if seen.get(n + 1) is False:
+                return n
+            n += 1
+        else:
+            if seen.get(n - 1) is True:
+                return n - 1
+            if n == 1:
+                return 0
+            n -= 1
+    raise BenchError(f"bench memcap: no boundary within {max_probes} sizes from {start} layers "
+                     f"(tried {sorted(seen.items())}); the planner's start is far off, see the "
+                     f"probes' logs")
+
+
+def parse_dd(stderr: str) -> Tuple[int, float]:
+    """(bytes, seconds) from GNU dd's summary line ('N bytes (...) copied, S s, R MB/s')."""
+    m = re.search(r"^(\d+) bytes .*copied, ([0-9.]+) s", stderr, re.M)
+    if not m:
+        raise BenchError(f"bench memcap: cannot read dd's summary from: {stderr.strip()[-300:]}")
+    return int(m.group(1)), float(m.group(2))
+
+
+def disk_rates(directory: str, mb: int = DD_MB) -> Dict[str, float]:
+    """dd's sequential O_DIRECT write (with fsync) and read rates in ``directory``, GB/s."""
+    path = os.path.join(directory, "dd-probe.bin")
+    try:
+        out = {}
+        for name, argv in (("write", ["dd", "if=/dev/zero", f"of={path}", "bs=4M",
+                                      f"count={mb // 4}", "oflag=direct", "conv=fsync"]),
+                           ("read", ["dd", f"if={path}", "of=/dev/null", "bs=4M", "iflag=direct"])):
+            proc = subprocess.run(argv, capture_output=True, text=True)
+            if proc.returncode:
+                raise BenchError(f"bench memcap: {' '.join(argv)} failed: {proc.stderr.strip()}")
+            nbytes, seconds = parse_dd(proc.stderr)
+            out[name] = nbytes / seconds / 1e9
+        return out
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+
+
+class Prober:
+    """Runs one contender at a size inside the capped cgroup; results are kept as JSON beside
+    the runs and reused while command, code and cap are unchanged."""
+
+    def __init__(self, runner: Runner, cap_bytes: int, reuse: bool) -> None:
+        self.runner, self.cap, self.reuse = runner, cap_bytes, reuse
+
+    def __call__(self, contender: Contender, layers: int) -> Probe:
+        name = f"{contender.name}-L{layers}"
+        cmd = self.runner.command(name, contender, ["--num-layers", str(layers)])
+        out = self.runner.spec.out
+        result_file, log = os.path.join(out, f"{name}.probe.json"), os.path.join(out, f"{name}.log")
+        key = {"training": training_key(cmd), "cap": self.cap}
+        if self.reuse and os.path.exists(result_file):
+            with open(result_file) as fh:
+                saved = json.load(fh)
+            if saved.get("key") == key:
+                print(f"[bench memcap] {name}: reusing {result_file}", flush=True)
+                return Probe(**saved["probe"])
+        metrics = os.path.join(out, f"{name}.jsonl")
+        if os.path.exists(metrics):
+            os.remove(metrics)
+        port = str(_free_port())
+        argv = [c.replace("{port}", port) for c in cmd]
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+                   PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1", **self.runner.spec.env)
+        print(f"[bench memcap] {name}: training under a {self.cap / 1e9:g} GB cap (log {log})",
+              flush=True)
+        t0 = time.perf_counter()
+        with cgroup.MemoryCgroup(f"megatron-grpo-memcap-{os.getpid()}", self.cap) as group, \
+                open(log, "w") as fh:
+            proc = subprocess.run(group.command(argv), cwd=REPO, env=env, stdout=fh,
+                                  stderr=subprocess.STDOUT, timeout=self.runner.spec.timeout_s)
+            kills, peak = group.oom_kills(), group.max_usage_bytes()
+        records = read_records(metrics) if os.path.exists(metrics) else []
+        complete = bool(records) and records[-1]["iteration"] == ITERS
+        probe = Probe(layers, proc.returncode == 0 and complete and kills == 0, kills,
+                      proc.returncode, peak, seconds=time.perf_counter() - t0)
+        if records:
+            probe.rank_peak_bytes = max(r["peak_rss_bytes"] for r in records)
+            probe.before_model_bytes = records[0].get("memory_before_model_bytes")
+            tiered = [r for r in records if r.get("grpo_tiered")]
+            for d in ("write", "read"):
+                rates = [r[f"offload_{d}_gbps"] for r in tiered if f"offload_{d}_gbps" in r]
+                if rates:
+                    probe.offload_gbps[d] = statistics.median(rates)
+        if not probe.ok and kills == 0:
+            raise BenchError(f"bench memcap: {name} failed (exit {proc.returncode}) without an OOM "
+                             f"kill: not a memory limit. See {log}")
+        print(f"[bench memcap] {name}: {'fits' if probe.ok else 'OOM-killed'} (group peak "
+              f"{peak / 1e9:.2f} GB, {probe.seconds:.0f} s)", flush=True)
+        with open(result_file + ".tmp", "w") as fh:
+            json.dump({"key": key, "probe": dataclasses.asdict(probe)}, fh)
+        os.replace(result_file + ".tmp", result_file)
+        return probe
+
+
+def _plan_largest(spec, contender: Contender, budget_per_rank: float, reserve: float):
+    """The planner's largest layer count for this contender, the run's flags as given."""
+    from megatron_grpo.bench.memory import plan_cli
+    from megatron_grpo.planner_capacity import largest_model
+
+    model, cluster, grpo, bucket, offload = plan_cli().spec_from_flags(
+        ["--config", spec.config, *spec.common, *contender.flags], nodes=1,
+        gpus_per_node=spec.nproc, gpu_memory_gb=1.0, link_gbps=1.0, vocab=258,
+        attention="unfused")
+    which = "baseline" if contender.name == "baseline" else "grpo"
+    return largest_model(model, cluster, grpo, int(budget_per_rank), which,
+                         reserve_bytes=int(reserve), bucket_size=bucket, offload=offload)
+
+
+def run(args, command: str) -> SuiteResult:
+    title = "Largest model under a memory cap: baseline, GRPO, GRPO with its memory tier"
+    header = ["contender", "largest layers", "parameters M", "vs baseline", "planner layers",
+              "planner parameters M", "planner vs measured", "group peak at largest MB", "sizes tried"]
+    why = cgroup.unavailable()
+    if why:
+        return SuiteResult("memcap", title, command, header, skipped=why)
+    cap = int(float(getattr(args, "cap_gb", None) or DEFAULT_CAP_GB) * 1e9)
+    spec = args.spec(DEFAULT_CONFIG, "memcap")
+    spec.common += ["--train-iters", str(ITERS), "--eval-iters", "1"]
+    spec.env = dict(ENV)
+    cands = contenders(args.out)
+    runner = Runner("memcap", spec, 0)
+    prober = Prober(runner, cap, spec.reuse)
+    disk = disk_rates(offload_dir(args.out))
+    found: Dict[str, Tuple[int, Dict[int, Probe]]] = {}
+    for c in cands:
+        probes: Dict[int, Probe] = {}
+
+        def fits(n: int) -> bool:
+            probes[n] = prober(c, n)
+            return probes[n].ok
+
+        start = max(1, _plan_largest(spec, c, (cap - START_OVERHEAD) / spec.nproc,
+                                     START_RESERVE).layers)
+        largest = find_largest(fits, start)
+        found[c.name] = (largest, probes)
+    # What the planner does not model, from the runs: each rank's memory before the model, and
+    # the rest of the group's peak (agent, page cache) beyond the ranks' own peaks.
+    oks = [p for _, probes in found.values() for p in probes.values() if p.ok and p.rank_peak_bytes]
+    if not oks:
+        raise BenchError("bench memcap: no size trained under the cap; raise --cap-gb")
+    reserve = max(p.before_model_bytes or 0 for p in oks)
+    overhead = max(0, max(p.job_peak_bytes - spec.nproc * p.rank_peak_bytes for p in oks))
+    res = SuiteResult("memcap", title, command, header)
+    base_params = None
+    data = {"cap_bytes": cap, "reserve_bytes": reserve, "overhead_bytes": overhead, "disk": disk,
+            "contenders": {}}
+    for c in cands:
+        largest, probes = found[c.name]
+        planned = _plan_largest(spec, c, (cap - overhead) / spec.nproc, reserve)
+        params = _params(spec, c, largest)
+        base_params = params if c.name == "baseline" else base_params
+        best = probes.get(largest)
+        tried = ", ".join(f"{n}{'' if p.ok else ' OOM'}" for n, p in sorted(probes.items()))
+        res.rows.append([c.name, str(largest), f"{params / 1e6:.1f}",
+                         f"{params / base_params:.2f}x" if base_params else "-", str(planned.layers),
+                         f"{planned.params / 1e6:.1f}",
+                         f"{100 * (planned.params / params - 1):+.1f} %" if params else "-",
+                         f"{best.job_peak_bytes / 2**20:.0f}" if best else "-", tried])
+        data["contenders"][c.name] = {"largest_layers": largest, "params": params,
+                                      "planner": dataclasses.asdict(planned),
+                                      "probes": {n: dataclasses.asdict(p) for n, p in probes.items()}}
+    res.notes += [f"{c.name}: {c.about}" for c in cands]
+    res.notes.append(f"cap {cap / 1e9:g} GB on the whole job (torchrun agent + {spec.nproc} gloo "
+                     f"ranks) as a cgroup v1 memory.limit_in_bytes; config "
+                     f"{os.path.basename(spec.config)} with --num-layers varied, {ITERS} "
+                     f"iterations each; a size fits when it trains every iteration and nothing is "
+                     f"OOM-killed")
+    res.notes.append(f"planner (megatron_grpo/planner_capacity.py) given what the runs measured "
+                     f"outside its model: {reserve / 1e6:.0f} MB per rank before the model, "
+                     f"{overhead / 1e6:.0f} MB of the group's peak beyond the ranks' own")
+    ssd = found.get("grpo-ssd")
+    if ssd and ssd[1].get(ssd[0]) and ssd[1][ssd[0]].offload_gbps:
+        rates = ssd[1][ssd[0]].offload_gbps
+        res.notes.append("SSD: " + "; ".join(
+            f"{d} {rates[d]:.2f} GB/s per copy in training vs dd {disk[d]:.2f} GB/s "
+            f"({100 * rates[d] / disk[d]:.0f} %)" for d in ("write", "read") if d in rates)
+            + f" (dd: {DD_MB} MiB, bs=4M, O_DIRECT, in the offload directory, before the runs; "
+              f"training: median over grpo-ssd's tiered steps at its largest size, bytes over "
+              f"each copy's busy time incl. its checksum)")
+    res.data = data
+    return res
+
+
+def _params(spec, contender: Contender, layers: int) -> int:
+    """Parameters of the model at ``layers`` (the planner's count, equal to megatron's)."""
+    if layers <= 0:
+        return 0
+    from megatron_grpo.bench.memory import plan_cli
+    from megatron_grpo.planner_capacity import model_params
+
+    model, cluster, *_ = plan_cli().spec_from_flags(
+        ["--config", spec.config, *spec.common, *contender.flags, "--num-layers", str(layers)],
+        nodes=1, gpus_per_node=spec.nproc, gpu_memory_gb=1.0, link_gbps=1.0, vocab=258,
+        attention="unfused")
+    return model_params(model, cluster)

@@ -1,0 +1,127 @@
+"""The largest-model search (planner_capacity), the capped benchmark's pieces (cgroup, search,
+dd) and launch/plan.py --largest-model. The cgroup tests make a real memory cgroup (root and
+cgroup v1 needed, as on this project's machines) and run real processes in it."""
+
+import dataclasses
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_grpo.bench import cgroup
+from megatron_grpo.bench.memcap import find_largest, parse_dd
+from megatron_grpo.bench.runner import BenchError
+from megatron_grpo.config import GRPOConfig
+from megatron_grpo.offload.config import OffloadConfig
+from megatron_grpo.planner import ClusterSpec, ModelSpec
+from megatron_grpo.planner_capacity import largest_model, model_params, rank_peak_bytes
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MODEL = ModelSpec(num_layers=1, hidden=768, heads=12, vocab=258, seq_length=128, bf16=False)
+CLUSTER = ClusterSpec(nodes=1, gpus_per_node=2)
+GRPO = GRPOConfig(enabled=True, bucket_mb=16)
+SSD = OffloadConfig(target="ssd", offload_dir="x")
+
+
+def _peak(layers, which, offload=None, reserve=0):
+    return rank_peak_bytes(dataclasses.replace(MODEL, num_layers=layers), CLUSTER, GRPO, which,
+                           reserve, 4_000_000, offload)
+
+
+@pytest.mark.parametrize("which,offload", [("baseline", None), ("grpo", None), ("grpo", SSD)])
+def test_largest_model_is_the_boundary_of_the_budget(which, offload):
+    budget, reserve = int(1.8e9), int(0.5e9)
+    cap = largest_model(MODEL, CLUSTER, GRPO, budget, which, reserve_bytes=reserve,
+                        bucket_size=4_000_000, offload=offload)
+    assert cap.layers > 1
+    assert cap.peak_bytes == _peak(cap.layers, which, offload, reserve) <= budget
+    assert cap.next_peak_bytes == _peak(cap.layers + 1, which, offload, reserve) > budget
+    assert cap.params == model_params(dataclasses.replace(MODEL, num_layers=cap.layers), CLUSTER)
+
+
+def test_the_memory_tier_fits_more_layers_than_grpo_or_the_baseline_and_a_reserve_costs_layers():
+    kw = dict(reserve_bytes=int(0.5e9), bucket_size=4_000_000)
+    base = largest_model(MODEL, CLUSTER, GRPO, int(1.8e9), "baseline", **kw).layers
+    grpo = largest_model(MODEL, CLUSTER, GRPO, int(1.8e9), "grpo", **kw).layers
+    ssd = largest_model(MODEL, CLUSTER, GRPO, int(1.8e9), "grpo", offload=SSD, **kw).layers
+    assert grpo < base < ssd  # GRPO's residuals and masters cost memory; the tier moves them out
+    more = largest_model(MODEL, CLUSTER, GRPO, int(1.8e9), "baseline", reserve_bytes=int(0.9e9),
+                         bucket_size=4_000_000).layers
+    assert more < base
+
+
+def test_nothing_fits_and_pipeline_multiples_and_bad_input():
+    assert largest_model(MODEL, CLUSTER, GRPO, int(1e6), "baseline").layers == 0
+    pp = ClusterSpec(nodes=1, gpus_per_node=4, pp=2)
+    cap = largest_model(dataclasses.replace(MODEL, num_layers=2), pp, GRPO, int(1.5e9), "baseline")
+    assert cap.layers % 2 == 0 and cap.layers >= 2
+    with pytest.raises(ValueError, match="which must be one of"):
+        largest_model(MODEL, CLUSTER, GRPO, int(1e9), "megatron")
+    with pytest.raises(ValueError, match="budget_bytes must be positive"):
+        largest_model(MODEL, CLUSTER, GRPO, 0, "baseline")
+
+
+def test_plan_cli_prints_the_largest_model_and_refuses_a_reserve_above_the_memory(capsys):
+    spec = importlib.util.spec_from_file_location("plan_cli", os.path.join(REPO, "launch", "plan.py"))
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    flags = ["--config", os.path.join(REPO, "launch", "configs", "mem100m.yaml"), "--nodes", "1",
+             "--gpus-per-node", "2", "--gpu-memory-gb", "1.8", "--vocab-size", "258",
+             "--attention", "unfused", "--largest-model", "--reserve-gb", "0.5"]
+    assert cli.main(flags) == 0
+    out = capsys.readouterr().out
+    expected = largest_model(dataclasses.replace(MODEL, num_layers=12), CLUSTER,
+                             GRPOConfig(enabled=False), int(1.8e9), "baseline",
+                             reserve_bytes=int(0.5e9), bucket_size=4_000_000)
+    assert f"baseline  {expected.layers:5d} layers" in out
+    assert cli.main(flags[:-1] + ["2"]) == 2
+    assert "--reserve-gb must be >= 0 and below --gpu-memory-gb" in capsys.readouterr().err
+
+
+def test_find_largest_walks_to_the_boundary_trying_each_size_once():
+    tried = []
+
+    def fits(n):
+        tried.append(n)
+        return n <= 7
+
+    assert find_largest(fits, 5) == 7 and tried == [5, 6, 7, 8]
+    tried.clear()
+    assert find_largest(fits, 9) == 7 and tried == [9, 8, 7]
+    assert find_largest(lambda n: False, 2) == 0
+    with pytest.raises(BenchError, match="no boundary within 3 sizes"):
+        find_largest(lambda n: True, 1, max_probes=3)
+
+
+def test_parse_dd_reads_bytes_and_seconds_and_names_an_unreadable_summary():
+    text = ("128+0 records in\n128+0 records out\n"
+            "536870912 bytes (537 MB, 512 MiB) copied, 0.291 s, 1.8 GB/s\n")
+    assert parse_dd(text) == (536870912, 0.291)
+    with pytest.raises(BenchError, match="cannot read dd's summary"):
+        parse_dd("dd: failed to open 'x': Permission denied")
+
+
+needs_cgroup = pytest.mark.skipif(cgroup.unavailable() is not None,
+                                  reason=str(cgroup.unavailable()))
+
+
+@needs_cgroup
+def test_a_process_over_the_cap_is_oom_killed_and_one_under_it_is_not():
+    touch = "import sys; b = bytearray(int(sys.argv[1]) << 20); b[::4096] = b'x' * len(b[::4096])"
+    with cgroup.MemoryCgroup(f"grpo-test-{os.getpid()}", 120 << 20) as group:
+        ok = subprocess.run(group.command([sys.executable, "-c", touch, "20"]))
+        assert ok.returncode == 0 and group.oom_kills() == 0
+        assert 20 << 20 <= group.max_usage_bytes() <= 120 << 20
+        over = subprocess.run(group.command([sys.executable, "-c", touch, "300"]))
+        assert over.returncode == -9 and group.oom_kills() == 1
+        assert group.max_usage_bytes() <= 120 << 20
+        path = group.path
+    assert not os.path.exists(path)  # removed on exit
+
+
+def test_cgroup_unavailable_names_what_is_missing(tmp_path):
+    assert "no cgroup v1 memory controller" in cgroup.unavailable(str(tmp_path))
+    with pytest.raises(ValueError, match="limit_bytes must be positive"):
+        cgroup.MemoryCgroup("x", 0, root=str(tmp_path))
