@@ -193,13 +193,9 @@ class Prober:
 
 def _plan_largest(spec, contender: Contender, budget_per_rank: float, reserve: float):
     """The planner's largest layer count for this contender, the run's flags as given."""
-    from megatron_grpo.bench.memory import plan_cli
     from megatron_grpo.planner_capacity import largest_model
 
-    model, cluster, grpo, bucket, offload = plan_cli().spec_from_flags(
-        ["--config", spec.config, *spec.common, *contender.flags], nodes=1,
-        gpus_per_node=spec.nproc, gpu_memory_gb=1.0, link_gbps=1.0, vocab=258,
-        attention="unfused")
+    model, cluster, grpo, bucket, offload = _flags_spec(spec, contender)
     which = "baseline" if contender.name == "baseline" else "grpo"
     return largest_model(model, cluster, grpo, int(budget_per_rank), which,
                          reserve_bytes=int(reserve), bucket_size=bucket, offload=offload)
@@ -208,7 +204,8 @@ def _plan_largest(spec, contender: Contender, budget_per_rank: float, reserve: f
 def run(args, command: str) -> SuiteResult:
     title = "Largest model under a memory cap: baseline, GRPO, GRPO with its memory tier"
     header = ["contender", "largest layers", "parameters M", "vs baseline", "planner layers",
-              "planner parameters M", "planner vs measured", "group peak at largest MB", "sizes tried"]
+              "planner parameters M", "planner vs measured", "rank-0 peak RSS at largest MB",
+              "sizes tried"]
     why = cgroup.unavailable()
     if why:
         return SuiteResult("memcap", title, command, header, skipped=why)
@@ -228,33 +225,41 @@ def run(args, command: str) -> SuiteResult:
             probes[n] = prober(c, n)
             return probes[n].ok
 
-        start = max(1, _plan_largest(spec, c, (cap - START_OVERHEAD) / spec.nproc,
-                                     START_RESERVE).layers)
-        largest = find_largest(fits, start)
+        if c is cands[0]:
+            start = _plan_largest(spec, c, (cap - START_OVERHEAD) / spec.nproc, START_RESERVE).layers
+        else:  # from the planner calibrated on the baseline's boundary (below)
+            start = _plan_largest(spec, c, *_calibrate(spec, cands[0], *found[cands[0].name])).layers
+        largest = find_largest(fits, max(1, start))
         found[c.name] = (largest, probes)
-    # What the planner does not model, from the runs: each rank's memory before the model, and
-    # the rest of the group's peak (agent, page cache) beyond the ranks' own peaks.
-    oks = [p for _, probes in found.values() for p in probes.values() if p.ok and p.rank_peak_bytes]
-    if not oks:
-        raise BenchError("bench memcap: no size trained under the cap; raise --cap-gb")
-    reserve = max(p.before_model_bytes or 0 for p in oks)
-    overhead = max(0, max(p.job_peak_bytes - spec.nproc * p.rank_peak_bytes for p in oks))
+    # The planner, calibrated on the baseline alone as a user would (one run of the baseline
+    # under the cap): what its largest size held beyond the planner's model state and
+    # activations is the reserve, its peak RSS the per-rank budget. GRPO's two sizes are then
+    # predictions, held against their own measured boundaries.
+    base_largest, base_probes = found["baseline"]
+    calibration = base_probes[base_largest]
+    budget, reserve = _calibrate(spec, cands[0], base_largest, base_probes)
     res = SuiteResult("memcap", title, command, header)
-    base_params = None
-    data = {"cap_bytes": cap, "reserve_bytes": reserve, "overhead_bytes": overhead, "disk": disk,
+    base_params = _params(spec, cands[0], base_largest)
+    data = {"cap_bytes": cap, "budget_bytes": budget, "reserve_bytes": reserve, "disk": disk,
             "contenders": {}}
     for c in cands:
         largest, probes = found[c.name]
-        planned = _plan_largest(spec, c, (cap - overhead) / spec.nproc, reserve)
+        planned = _plan_largest(spec, c, budget, reserve)
         params = _params(spec, c, largest)
-        base_params = params if c.name == "baseline" else base_params
         best = probes.get(largest)
         tried = ", ".join(f"{n}{'' if p.ok else ' OOM'}" for n, p in sorted(probes.items()))
+        peak = best.rank_peak_bytes if best is not None else None
         res.rows.append([c.name, str(largest), f"{params / 1e6:.1f}",
-                         f"{params / base_params:.2f}x" if base_params else "-", str(planned.layers),
+                         f"{params / base_params:.2f}x" if base_params else "-",
+                         str(planned.layers) + (" (calibration)" if c is cands[0] else ""),
                          f"{planned.params / 1e6:.1f}",
                          f"{100 * (planned.params / params - 1):+.1f} %" if params else "-",
-                         f"{best.job_peak_bytes / 2**20:.0f}" if best else "-", tried])
+                         f"{peak / 1e6:.0f}" if peak else "-", tried])
+        if peak and c is not cands[0]:
+            predicted = _model_peak(spec, c, largest, reserve)
+            res.notes.append(f"{c.name} at {largest} layers: planner peak per rank "
+                             f"{predicted / 1e6:.0f} MB, measured rank-0 peak RSS {peak / 1e6:.0f} MB "
+                             f"({100 * (predicted / peak - 1):+.1f} %)")
         data["contenders"][c.name] = {"largest_layers": largest, "params": params,
                                       "planner": dataclasses.asdict(planned),
                                       "probes": {n: dataclasses.asdict(p) for n, p in probes.items()}}
@@ -264,9 +269,12 @@ def run(args, command: str) -> SuiteResult:
                      f"{os.path.basename(spec.config)} with --num-layers varied, {ITERS} "
                      f"iterations each; a size fits when it trains every iteration and nothing is "
                      f"OOM-killed")
-    res.notes.append(f"planner (megatron_grpo/planner_capacity.py) given what the runs measured "
-                     f"outside its model: {reserve / 1e6:.0f} MB per rank before the model, "
-                     f"{overhead / 1e6:.0f} MB of the group's peak beyond the ranks' own")
+    res.notes.append(f"planner (megatron_grpo/planner_capacity.py), calibrated on the baseline's "
+                     f"largest run alone: per-rank budget = its rank-0 peak RSS "
+                     f"({budget / 1e6:.0f} MB), reserve = that peak less the planner's model state "
+                     f"and activations ({reserve / 1e6:.0f} MB: runtime, shared libraries, "
+                     f"transient working memory; {calibration.before_model_bytes / 1e6:.0f} MB of "
+                     f"it held before the model); GRPO's rows are predictions from it")
     ssd = found.get("grpo-ssd")
     if ssd and ssd[1].get(ssd[0]) and ssd[1][ssd[0]].offload_gbps:
         rates = ssd[1][ssd[0]].offload_gbps
@@ -280,15 +288,40 @@ def run(args, command: str) -> SuiteResult:
     return res
 
 
+def _flags_spec(spec, contender: Contender, layers: Optional[int] = None):
+    """The planner's (model, cluster, grpo, bucket, offload) for this contender's runs."""
+    from megatron_grpo.bench.memory import plan_cli
+
+    extra = ["--num-layers", str(layers)] if layers else []
+    return plan_cli().spec_from_flags(
+        ["--config", spec.config, *spec.common, *contender.flags, *extra], nodes=1,
+        gpus_per_node=spec.nproc, gpu_memory_gb=1.0, link_gbps=1.0, vocab=258,
+        attention="unfused")  # the byte tokenizer's 258 ids; CPU mode runs the local spec
+
+
+def _calibrate(spec, baseline: Contender, largest: int, probes: Dict[int, Probe]) -> Tuple[int, int]:
+    """(per-rank budget, reserve) from the baseline's largest run: its rank-0 peak RSS, and that
+    peak less the planner's model state and activations at that size."""
+    best = probes.get(largest)
+    if best is None or not best.rank_peak_bytes:
+        raise BenchError("bench memcap: the baseline trained at no size under the cap; raise --cap-gb")
+    return best.rank_peak_bytes, best.rank_peak_bytes - _model_peak(spec, baseline, largest, 0)
+
+
+def _model_peak(spec, contender: Contender, layers: int, reserve: int) -> int:
+    """The planner's peak per rank at ``layers`` for this contender, plus ``reserve``."""
+    from megatron_grpo.planner_capacity import rank_peak_bytes
+
+    model, cluster, grpo, bucket, offload = _flags_spec(spec, contender, layers)
+    return rank_peak_bytes(model, cluster, grpo, "baseline" if contender.name == "baseline"
+                           else "grpo", reserve, bucket, offload)
+
+
 def _params(spec, contender: Contender, layers: int) -> int:
     """Parameters of the model at ``layers`` (the planner's count, equal to megatron's)."""
     if layers <= 0:
         return 0
-    from megatron_grpo.bench.memory import plan_cli
     from megatron_grpo.planner_capacity import model_params
 
-    model, cluster, *_ = plan_cli().spec_from_flags(
-        ["--config", spec.config, *spec.common, *contender.flags, "--num-layers", str(layers)],
-        nodes=1, gpus_per_node=spec.nproc, gpu_memory_gb=1.0, link_gbps=1.0, vocab=258,
-        attention="unfused")
+    model, cluster, *_ = _flags_spec(spec, contender, layers)
     return model_params(model, cluster)

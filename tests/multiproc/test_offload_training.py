@@ -49,10 +49,14 @@ def test_ssd_offload_is_bit_identical_to_no_offload(runs):
 def test_state_streams_through_the_optimizer_step_and_stays_away_between(runs):
     by_iter = {r["iteration"]: r for r in runs["ssd"]}
     # Warm-up (iterations 1-8, every unit core): every unit's state streams, so the warm-up's
-    # peak is no higher than the tiered steps'. Optimizer state appears at step 1, so it moves
-    # from step 2 on.
-    for k in range(2, 9):
+    # peak is no higher than the tiered steps'. Adam's moments appear at a unit's first update
+    # inside step 1 and leave with that unit right away: after step 1 as much state is away as
+    # after any warm-up step (all of it: masters and both moments), none of it left resident
+    # until step 2 (that was the run's peak, +8 bytes per shard element).
+    for k in range(1, 9):
         assert by_iter[k]["offload_bytes_written"] > 0 and by_iter[k]["offload_bytes_core_ssd"] > 0
+        assert by_iter[k]["offload_bytes_core_device"] == 0
+        assert by_iter[k]["offload_bytes_core_ssd"] == by_iter[8]["offload_bytes_core_ssd"]
         assert "offload_bytes_stable_ssd" not in by_iter[k]
     # From the tiering at 9: after every step the dynamic and stable units' masters and
     # moments are on SSD; the dynamic ones went through every step, the stable ones through

@@ -125,3 +125,81 @@ def test_cgroup_unavailable_names_what_is_missing(tmp_path):
     assert "no cgroup v1 memory controller" in cgroup.unavailable(str(tmp_path))
     with pytest.raises(ValueError, match="limit_bytes must be positive"):
         cgroup.MemoryCgroup("x", 0, root=str(tmp_path))
+
+
+def test_memcap_suite_tabulates_the_boundaries_and_holds_the_planner_to_them(tmp_path, monkeypatch):
+    """The suite with its runs faked: each contender fits up to a fixed size; the table shows the
+    measured boundary, the ratio to the baseline's parameters, the planner's layers given the
+    measured reserve, the disk note, and the suite refuses a non-OOM failure."""
+    from megatron_grpo.bench import __main__ as cli
+    from megatron_grpo.bench import memcap
+    from megatron_grpo.bench.memcap import Probe
+
+    limits = {"baseline": 13, "grpo": 9, "grpo-ssd": 15}
+    calls = []
+
+    def fake_probe(self, contender, layers):
+        calls.append((contender.name, layers))
+        ok = layers <= limits[contender.name]
+        return Probe(layers, ok, 0 if ok else 1, 0 if ok else -9, int(3.9e9),
+                     rank_peak_bytes=int(1.8e9), before_model_bytes=int(0.5e9),
+                     offload_gbps={"write": 0.9, "read": 1.2} if contender.name == "grpo-ssd" else {})
+
+    monkeypatch.setattr(memcap.Prober, "__call__", fake_probe)
+    monkeypatch.setattr(memcap, "disk_rates", lambda d: {"write": 1.8, "read": 1.5})
+    monkeypatch.setattr(cgroup, "unavailable", lambda root=cgroup.ROOT: None)
+    args = cli.parser().parse_args(["memcap", "--out", str(tmp_path)], namespace=cli.BenchArgs())
+    args.extra = []
+    res = memcap.run(args, "python -m megatron_grpo.bench memcap")
+    rows = {r[0]: r for r in res.rows}
+    assert [rows[n][1] for n in limits] == ["13", "9", "15"]
+    for name, layers in limits.items():  # each size tried once; the boundary and one above it
+        tried = [n for c, n in calls if c == name]
+        assert len(tried) == len(set(tried)) and layers in tried and layers + 1 in tried
+    base = memcap._params(args.spec(memcap.DEFAULT_CONFIG, "memcap"),
+                          memcap.contenders(str(tmp_path))[0], 13)
+    assert rows["baseline"][2] == f"{base / 1e6:.1f}" and rows["baseline"][3] == "1.00x"
+    # Calibrated on the baseline's largest run: budget = its peak, reserve = peak - model.
+    spec = args.spec(memcap.DEFAULT_CONFIG, "memcap")
+    baseline = memcap.contenders(str(tmp_path))[0]
+    assert res.data["budget_bytes"] == int(1.8e9)
+    assert res.data["reserve_bytes"] == int(1.8e9) - memcap._model_peak(spec, baseline, 13, 0)
+    assert rows["baseline"][4] == "13 (calibration)"
+    planned = res.data["contenders"]["grpo-ssd"]["planner"]
+    assert planned["peak_bytes"] <= int(1.8e9) < planned["next_peak_bytes"]
+    assert rows["grpo-ssd"][4] == str(planned["layers"])
+    assert any("write 0.90 GB/s per copy in training vs dd 1.80 GB/s (50 %)" in n for n in res.notes)
+
+
+
+@needs_cgroup
+def test_prober_runs_the_command_in_the_cap_and_tells_oom_from_a_crash(tmp_path, monkeypatch):
+    """The Prober with the training command replaced by small scripts: one that logs every
+    iteration fits; one that allocates past the cap is an OOM; one that exits 1 is an error."""
+    import json
+
+    from megatron_grpo.bench import memcap
+    from megatron_grpo.bench.runner import Contender, Runner, RunSpec
+
+    spec = RunSpec(out=str(tmp_path), config=memcap.DEFAULT_CONFIG, data_path="x", reuse=True)
+    runner = Runner("memcap", spec, 0)
+    records = [{"iteration": i, "peak_rss_bytes": 1000 + i, "memory_before_model_bytes": 7}
+               for i in range(1, memcap.ITERS + 1)]
+    scripts = {
+        "fits": f"import json; open({str(tmp_path / 'fits-L3.jsonl')!r}, 'w').write("
+                f"''.join(json.dumps(r) + chr(10) for r in {records!r}))",
+        "oom": "b = bytearray(400 << 20); b[::4096] = b'x' * len(b[::4096])",
+        "crash": "raise SystemExit(1)",
+    }
+    monkeypatch.setattr(Runner, "command", lambda self, name, c, extra=():
+                        [sys.executable, "-c", scripts[c.name], *extra])
+    prober = memcap.Prober(runner, 150 << 20, reuse=True)
+    fit = prober(Contender("fits", []), 3)
+    assert fit.ok and fit.rank_peak_bytes == 1000 + memcap.ITERS and fit.before_model_bytes == 7
+    saved = json.loads((tmp_path / "fits-L3.probe.json").read_text())
+    assert saved["probe"]["ok"] is True and saved["key"]["cap"] == 150 << 20
+    assert prober(Contender("fits", []), 3) == fit  # reused, not rerun
+    oom = prober(Contender("oom", []), 3)
+    assert not oom.ok and oom.oom_kills == 1
+    with pytest.raises(BenchError, match="oom-L3|crash-L3 failed .exit 1. without an OOM kill"):
+        prober(Contender("crash", []), 3)
