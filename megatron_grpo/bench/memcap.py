@@ -9,12 +9,12 @@ search starts at the planner's prediction and walks one layer at a time to the b
 largest size that trains with one layer more killed by the OOM killer. A failure that is not an
 OOM kill stops the benchmark (it is never counted as "does not fit").
 
-The planner's prediction (``megatron_grpo.planner_capacity``: model state and activations per
-rank) is then made again with what the runs measured outside its model -- each rank's memory
-before the model, and the agent's and page cache's share of the group's peak -- and compared
-with the measured largest size. The same invocation measures the disk with ``dd`` (O_DIRECT,
-the offload directory's file system) and sets the memory tier's own copy rates in training
-beside it.
+The planner (``megatron_grpo.planner_capacity``: model state and activations per rank) is
+calibrated on the baseline alone, as a user would with one run: the baseline's largest run gives
+the per-rank budget (its peak RSS) and the reserve (that peak less the planner's figure). GRPO's
+largest sizes are then predicted and held against their measured boundaries. The same
+invocation measures the disk with ``dd`` (O_DIRECT, in the offload directory) and sets the
+memory tier's own copy rates in training beside it.
 """
 
 from __future__ import annotations
@@ -183,6 +183,12 @@ class Prober:
             proc = subprocess.run(group.command(argv), cwd=REPO, env=env, stdout=fh,
                                   stderr=subprocess.STDOUT, timeout=self.runner.spec.timeout_s)
             kills, peak = group.oom_kills(), group.max_usage_bytes()
+        # A killed rank cannot delete its offload file (the store does on close): remove it, so
+        # the suite leaves nothing behind.
+        for arg in (a for i, a in enumerate(argv[1:]) if argv[i] == "--grpo-offload-dir"):
+            for name_ in os.listdir(arg) if os.path.isdir(arg) else ():
+                if name_.startswith("grpo-offload-rank"):
+                    os.remove(os.path.join(arg, name_))
         records = read_records(metrics) if os.path.exists(metrics) else []
         complete = bool(records) and records[-1]["iteration"] == ITERS
         probe = Probe(layers, proc.returncode == 0 and complete and kills == 0, kills,

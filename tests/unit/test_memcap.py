@@ -192,14 +192,18 @@ def test_prober_runs_the_command_in_the_cap_and_tells_oom_from_a_crash(tmp_path,
         "crash": "raise SystemExit(1)",
     }
     monkeypatch.setattr(Runner, "command", lambda self, name, c, extra=():
-                        [sys.executable, "-c", scripts[c.name], *extra])
+                        [sys.executable, "-c", scripts[c.name], *c.flags, *extra])
     prober = memcap.Prober(runner, 150 << 20, reuse=True)
     fit = prober(Contender("fits", []), 3)
     assert fit.ok and fit.rank_peak_bytes == 1000 + memcap.ITERS and fit.before_model_bytes == 7
     saved = json.loads((tmp_path / "fits-L3.probe.json").read_text())
     assert saved["probe"]["ok"] is True and saved["key"]["cap"] == 150 << 20
     assert prober(Contender("fits", []), 3) == fit  # reused, not rerun
-    oom = prober(Contender("oom", []), 3)
+    offload = tmp_path / "offload"
+    offload.mkdir()
+    (offload / "grpo-offload-rank00000.bin").write_bytes(b"x")  # what a killed rank leaves
+    oom = prober(Contender("oom", ["--grpo-offload-dir", str(offload)]), 3)
     assert not oom.ok and oom.oom_kills == 1
+    assert list(offload.iterdir()) == []
     with pytest.raises(BenchError, match="oom-L3|crash-L3 failed .exit 1. without an OOM kill"):
         prober(Contender("crash", []), 3)
