@@ -25,7 +25,7 @@ def _args(data, ckpt, metrics):
     return [*base_args(data), *HIER, "--save", str(ckpt), "--metrics-file", str(metrics)]
 
 
-def test_kill_9_between_stable_syncs_of_the_hierarchy_then_resume(stdlib_data, tmp_path):
+def test_kill_9_between_stable_syncs_of_the_hierarchy_then_resume(stdlib_data, tmp_path, table):
     ref_metrics = tmp_path / "ref.jsonl"
     ref = run_job(tmp_path / "ref", NPROC, _args(stdlib_data, tmp_path / "ref_ckpt", ref_metrics),
                   probe=False, timeout=400)
@@ -62,5 +62,11 @@ def test_kill_9_between_stable_syncs_of_the_hierarchy_then_resume(stdlib_data, t
     assert losses(resumed) == losses(reference)[last:]
     assert [r["grpo_tier_map"] for r in resumed] == [r["grpo_tier_map"] for r in reference[last:]]
     said = first_line(job.err, "error (rank")
-    print(f"killed rank {victim} at {KILL_AT}: {summary}; first rank message: {said[:200]!r}; "
-          f"resumed from {last}, {len(resumed)} iterations bit-identical")
+    table.row("kill -9 of one rank", f"SIGKILL of rank {victim} of 4 (two distributed-optimizer "
+              f"instances, delayed stable tier) inside the backward of iteration {KILL_AT}, between "
+              f"two stable syncs (checkpoints every {SAVE_EVERY})",
+              f"job fails within {BOUND_S} s naming the rank; --load resumes from the mid-period "
+              f"checkpoint {last} bit-identically",
+              f"torchrun rc {job.rc} {job.ended_at - fault['time']:.1f} s after the kill; {summary}; "
+              f"a survivor: \"{said[:160] or 'no message (ended by torchrun)'}\"; no process left; "
+              f"resumed {len(resumed)} iterations from {last}, losses and tier maps bit-identical")
