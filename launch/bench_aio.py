@@ -43,6 +43,17 @@ def size(s):
     return int(s[:-1]) << 20 if s.endswith("M") else int(s)
 
 
+def timed_ops(h, op, chunks, path, offsets) -> float:
+    """Seconds for one async op per chunk at its offset, submitted together, until wait()."""
+    start = time.perf_counter()
+    for c, off in zip(chunks, offsets):
+        assert op(c, path, off) == 0
+    done = h.wait()
+    seconds = time.perf_counter() - start
+    assert done == len(chunks), done
+    return seconds
+
+
 def run(directory, spec, op, reference):
     parts = spec.split(":")
     buf, bs, qd, iop = parts[0], size(parts[1]), int(parts[2]), int(parts[3])
@@ -68,12 +79,7 @@ def run(directory, spec, op, reference):
     chunks = [data[i * per:(i + 1) * per] for i in range(TOTAL_MIB // CHUNK_MIB)]
     offsets = [i * per * 4 for i in range(len(chunks))]
 
-    start = time.perf_counter()
-    for c, off in zip(chunks, offsets):
-        assert h.async_pwrite(c, path, off) == 0
-    done = h.wait()
-    write_s = time.perf_counter() - start
-    assert done == len(chunks), done
+    write_s = timed_ops(h, h.async_pwrite, chunks, path, offsets)
     fd = os.open(path, os.O_RDONLY)
     t = time.perf_counter()
     os.fsync(fd)
@@ -83,12 +89,7 @@ def run(directory, spec, op, reference):
     assert os.path.getsize(path) == total_bytes
 
     data.zero_()
-    start = time.perf_counter()
-    for c, off in zip(chunks, offsets):
-        assert h.async_pread(c, path, off) == 0
-    done = h.wait()
-    read_s = time.perf_counter() - start
-    assert done == len(chunks), done
+    read_s = timed_ops(h, h.async_pread, chunks, path, offsets)
     ok = torch.equal(data, reference)
     mb = total_bytes / 1e6
     print(f"aio {buf:6s} bs={bs >> 20}M qd={qd:2d} iop={iop} {mode:8s} "

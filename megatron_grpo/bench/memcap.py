@@ -29,8 +29,8 @@ import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 from megatron_grpo.bench import cgroup
-from megatron_grpo.bench.runner import (CONFIGS, REPO, BenchError, Contender, Runner, _free_port,
-                                        read_records, training_key)
+from megatron_grpo.bench.runner import (CONFIGS, REPO, BenchError, Contender, Runner, read_records,
+                                        training_key)
 from megatron_grpo.bench.suite import SuiteResult
 
 DEFAULT_CONFIG = os.path.join(CONFIGS, "mem100m.yaml")
@@ -171,10 +171,7 @@ class Prober:
         metrics = os.path.join(out, f"{name}.jsonl")
         if os.path.exists(metrics):
             os.remove(metrics)
-        port = str(_free_port())
-        argv = [c.replace("{port}", port) for c in cmd]
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-                   PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1", **self.runner.spec.env)
+        argv, env = self.runner.argv(cmd), self.runner.run_env()
         print(f"[bench memcap] {name}: training under a {self.cap / 1e9:g} GB cap (log {log})",
               flush=True)
         t0 = time.perf_counter()

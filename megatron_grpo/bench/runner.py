@@ -167,6 +167,17 @@ class Runner:
                 "--tensorboard-dir", os.path.join(self.spec.out, "tensorboard", run_name),
                 *self.spec.common, *contender.flags, *extra]
 
+    @staticmethod
+    def argv(cmd: Sequence[str]) -> List[str]:
+        """The command with a free torchrun port in place of its ``{port}``."""
+        port = str(_free_port())
+        return [c.replace("{port}", port) for c in cmd]
+
+    def run_env(self, env: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+        """The environment of a run: one thread per rank, the suite's and the run's own."""
+        return dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+                    PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1", **self.spec.env, **(env or {}))
+
     def _eta(self) -> str:
         if not self.trained_s:
             return "ETA unknown until the first run ends"
@@ -193,10 +204,8 @@ class Runner:
             return read_records(metrics)
         if self.spec.reuse and self._copy_from_index(run_name, cmd, metrics, cmd_file, iters):
             return read_records(metrics)
-        port = str(_free_port())
-        argv = [c.replace("{port}", port) for c in cmd]
-        run_env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-                       PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1", **self.spec.env, **(env or {}))
+        argv = self.argv(cmd)
+        run_env = self.run_env(env)
         print(f"[bench {self.suite}] {shown}", flush=True)
         if os.path.exists(cmd_file):  # the old run's record goes with the old run's metrics
             os.remove(cmd_file)
