@@ -13,11 +13,12 @@ from typing import Optional
 TIERS = ("core", "dynamic", "stable")
 COMPRESSORS = ("int4", "int8", "topk", "powersgd")
 CORE_COMPRESSORS = ("none", "int8", "int4")
-STABLE_MODES = ("frozen", "delayed", "compressed")
+STABLE_MODES = ("frozen", "delayed", "compressed", "local")
 STABLE_COMPRESSORS = ("int2", "int4", "int8")
 SPARSE_TIERS = ("no-stable", "any")
 TIER_POLICIES = ("importance", "random", "inverse")
 IMPORTANCE_SCORES = ("grad-weight", "grad", "fisher")
+INTERNODE_PRESETS = ("none", "source")
 
 
 class GRPOConfigError(ValueError):
@@ -99,7 +100,11 @@ class GRPOConfig:
     1,000 steps, mean of 2 seeds; `python -m megatron_grpo.bench front --train-iters 1000`).
     compressed: stable units sync every step like the dynamic tier, through
     --grpo-stable-compressor (2 bits by default) with error feedback of their own: the ranking
-    then gives the least important units the fewest bits (--grpo-stable-interval is unused)."""
+    then gives the least important units the fewest bits (--grpo-stable-interval is unused).
+    local (needs --num-distributed-optimizer-instances > 1): stable units train every step
+    inside their instance (megatron's exact sync there) and cross instances every
+    --grpo-stable-interval steps as parameter deltas through the outer optimizer
+    (--grpo-outer-lr), sent with --grpo-stable-compressor and error feedback."""
     stable_compressor: str = "int2"
     """Compressor of the stable tier in --grpo-stable-mode compressed: int2 (four levels per
     chunk set by its RMS, ~14:1 vs fp32), int4 or int8, one fp32 scale per chunk
@@ -129,6 +134,57 @@ class GRPOConfig:
     max_dynamic_share: float = 0.85
     """Guard: the dynamic tier never holds more than this share of parameters (the default
     dynamic share; units past it go to core)."""
+
+    core_sync_interval: int = 1
+    """Between distributed-optimizer instances (--num-distributed-optimizer-instances > 1, one
+    per node): 1 syncs the core tier every step (exact, or --grpo-core-compressor); H > 1 trains
+    it locally inside each instance and averages the instances' parameter deltas every H steps
+    through the outer optimizer, sent with --grpo-core-compressor (none: exact)."""
+    dynamic_sync_interval: int = 1
+    """Between instances: 1 sends the dynamic tier's gradients compressed every step; H > 1
+    trains it locally inside each instance (exact sync there) and averages the instances'
+    parameter deltas every H steps through the outer optimizer, compressed with --grpo-compressor
+    and error feedback (local updates, as DiLoCo)."""
+    outer_lr: float = 1.0
+    """Outer learning rate of the periodic tiers: at a sync each instance's shard becomes
+    anchor - lr * (Nesterov step on the instances' mean delta, anchor - local). 1.0 with
+    --grpo-outer-momentum 0 is plain parameter averaging; DiLoCo uses 0.7 with momentum 0.9."""
+    outer_momentum: float = 0.0
+    """Nesterov momentum of the outer optimizer (0: none). Its buffer is per unit and shard,
+    identical on every instance, and checkpointed."""
+    internode_preset: str = "none"
+    """none, or source: the source material's per-tier sync periods 100 / 50 / 200, read as
+    core exact every 100 steps, dynamic every 50 (int4, ~8:1), stable (20 %, local mode) every
+    200, re-tier every 200 so tiers change only when every instance agrees. It sets
+    core/dynamic/stable shares 0.15/0.65/0.2, --grpo-core-compressor none, --grpo-stable-compressor
+    int4 and the intervals above, overriding those flags. Needs instances > 1."""
+
+    PRESETS = {"source": {"core_share": 0.15, "dynamic_share": 0.65, "stable_share": 0.2,
+                          "core_compressor": "none", "core_sync_interval": 100,
+                          "compressor": "int4", "dynamic_sync_interval": 50,
+                          "stable_mode": "local", "stable_interval": 200,
+                          "stable_compressor": "int4", "retier_interval": 200}}
+
+    def apply_preset(self) -> None:
+        """Set the fields --grpo-internode-preset names (before validate)."""
+        if self.internode_preset not in INTERNODE_PRESETS:
+            raise GRPOConfigError(f"--grpo-internode-preset must be one of "
+                                  f"{', '.join(INTERNODE_PRESETS)}, got {self.internode_preset!r}")
+        for field, value in self.PRESETS.get(self.internode_preset, {}).items():
+            setattr(self, field, value)
+
+    def sync_interval(self, tier: str) -> int:
+        """Steps between the tier's syncs across instances (1: every step, no local updates)."""
+        if tier == "core":
+            return self.core_sync_interval
+        if tier == "dynamic":
+            return self.dynamic_sync_interval
+        return self.stable_interval if self.stable_mode == "local" else 1
+
+    @property
+    def periodic(self) -> bool:
+        """Some tier trains locally between syncs across instances."""
+        return any(self.sync_interval(t) > 1 for t in TIERS) or self.stable_mode == "local"
 
     def validate(self, world_size: Optional[int] = None) -> None:
         def fail(field: str, accepted: str, value) -> None:
@@ -189,6 +245,21 @@ class GRPOConfig:
             fail("remediation_promote", "in (0, 1]", self.remediation_promote)
         if not 0.0 <= self.max_dynamic_share <= 1.0:
             fail("max_dynamic_share", "in [0, 1]", self.max_dynamic_share)
+        for name in ("core_sync_interval", "dynamic_sync_interval"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                fail(name, "an integer >= 1 (1: every step)", value)
+        if self.stable_mode == "local" and self.stable_interval < 1:
+            fail("stable_interval", "an integer >= 1 with --grpo-stable-mode local", self.stable_interval)
+        if not 0.0 < self.outer_lr <= 2.0:
+            fail("outer_lr", "in (0, 2]", self.outer_lr)
+        if not 0.0 <= self.outer_momentum < 1.0:
+            fail("outer_momentum", "in [0, 1)", self.outer_momentum)
+        if self.internode_preset not in INTERNODE_PRESETS:
+            fail("internode_preset", "one of " + ", ".join(INTERNODE_PRESETS), self.internode_preset)
+        if self.periodic and self.compressor in ("topk", "powersgd") and self.dynamic_sync_interval > 1:
+            fail("compressor", "int4 or int8 with --grpo-dynamic-sync-interval > 1 (the deltas "
+                 "are quantised)", self.compressor)
         if self.dynamic_share > self.max_dynamic_share:
             raise GRPOConfigError(f"--grpo-dynamic-share ({self.dynamic_share}) exceeds "
                                   f"--grpo-max-dynamic-share ({self.max_dynamic_share})")

@@ -21,6 +21,9 @@ Schedule of iteration k (1-based):
 * stable units are updated (wgrad, exact sync, optimizer step) when k % stable_interval == 0;
   otherwise they are frozen (no wgrad, no communication, no optimizer work) or, in ``delayed``
   mode, their gradients accumulate locally.
+* with instances > 1 a periodic tier (--grpo-{core,dynamic}-sync-interval > 1, --grpo-stable-mode
+  local) trains locally inside each instance and syncs across instances on OuterSchedule's
+  schedule; a re-tier waits for, and is preceded by, an exact sync of every periodic tier.
 * a step the optimizer skips (a non-finite gradient on any rank, ``note_nonfinite``) changes
   no GRPO state: error-feedback residuals, carries, delayed accumulators and importance are
   only updated by ``end_step`` of an applied step.
@@ -41,9 +44,11 @@ from megatron_grpo.comm.error_feedback import ErrorFeedback
 from megatron_grpo.comm.replicated import ReplicatedElements
 from megatron_grpo.comm.wire import wire_counter
 from megatron_grpo.config import GRPOConfig
+from megatron_grpo.controller_report import ControllerReport
 from megatron_grpo.controller_state import ControllerState
 from megatron_grpo.health import HealthSums, HealthWatch
 from megatron_grpo.importance import ImportanceTracker
+from megatron_grpo.outer_schedule import OuterSchedule
 from megatron_grpo.replica import ReplicaLayout
 from megatron_grpo.tiers import GVRMonitor, TierPlan, TierPlanner, describe_moves, policy_density
 from megatron_grpo.timing import IntervalTimer
@@ -97,7 +102,7 @@ def _pipeline_position():
     return 0, 1, 1
 
 
-class GRPOController(ControllerState):
+class GRPOController(ControllerState, ControllerReport):
     """GRPO state for one model replica chunk list; see the module docstring.
 
     ``plan_group`` is the group of every rank that must agree on the tier plan: all ranks of
@@ -187,7 +192,7 @@ class GRPOController(ControllerState):
                                 build_compressor(config.core_compressor, config.compress_chunk,
                                                  config.topk_ratio))
         self.stable_compressor = (build_compressor(config.stable_compressor, config.compress_chunk)
-                                  if config.stable_mode == "compressed" else None)
+                                  if config.stable_mode in ("compressed", "local") else None)
         self.ef = ErrorFeedback()
         # Keyed by (unit, bucket index in its group), like the error-feedback residuals.
         self.carry: Dict[tuple, torch.Tensor] = {}
@@ -215,6 +220,15 @@ class GRPOController(ControllerState):
         self._new_events: List[Dict] = []
         self.pending_events: List[Dict] = []
         self.remediations = 0
+        # Local updates between instances (megatron_grpo.outer_schedule): which tiers sync when.
+        self.instances = getattr(ddp_chunks[0].ddp_config, "num_distributed_optimizer_instances", 1) \
+            if ddp_chunks else 1
+        self.outer = OuterSchedule(config, self.instances)
+        self.outer_synced: List[str] = []  # tiers the last applied step synced across instances
+        # This rank's units that the last re-tier moved out of a periodic tier: their optimizer
+        # moments differ per instance and are averaged by the glue before the step runs.
+        self.left_local: List[int] = []
+        self.final_iteration: Optional[int] = None  # --train-iters, set by the glue
 
     # ------------------------------------------------------------------ streams and timers
     def current_stream(self):
@@ -250,13 +264,15 @@ class GRPOController(ControllerState):
         done = k - 1 - self.warmup_origin  # steps since the warm-up began
         if done >= c.warmup_iters and (not self.tiered or (done - c.warmup_iters) % c.retier_interval == 0):
             self.retier_pending = True
-        # A compressed stable tier syncs every step: as an interval of 1 (re-tier at any step).
-        compressed = c.stable_mode == "compressed"
-        interval = 1 if compressed else c.stable_interval
+        interval = self._stable_step_interval()
         never = interval == 0  # static freeze: stable units are never updated
-        if self.retier_pending and (never or (k - 1) % interval == 0):
+        self.left_local = []
+        # A pending sync across instances (kept by a skipped step) must happen before tiers move.
+        if self.retier_pending and (never or (k - 1) % interval == 0) and not self.outer.pending:
             self._retier(k)
             self.retier_pending = False
+        # The last iteration also syncs every periodic tier exactly: the run ends on one model.
+        self.outer.plan(k, self.tiered, self._retier_at(k + 1) or k == self.final_iteration)
         self.step = StepPlan(
             k=k,
             stable_update=(not never and k % interval == 0) or not self.tiered,
@@ -269,6 +285,21 @@ class GRPOController(ControllerState):
         self.importance_timer.reset()
         self.wait_timer_.reset()
         self._apply_freezing()
+
+    def _stable_step_interval(self) -> int:
+        """Steps between stable updates; a compressed or local stable tier steps every iteration
+        (an interval of 1: re-tier at any step)."""
+        c = self.config
+        return 1 if c.stable_mode in ("compressed", "local") else c.stable_interval
+
+    def _retier_at(self, k: int) -> bool:
+        """Will iteration ``k`` (the next one) start with a re-tier? Decided as begin_step will."""
+        c = self.config
+        done = k - 1 - self.warmup_origin
+        due = self.retier_pending or (done >= c.warmup_iters and (
+            not self.tiered or (done - c.warmup_iters) % c.retier_interval == 0))
+        interval = self._stable_step_interval()
+        return due and (interval == 0 or (k - 1) % interval == 0)
 
     def note_event(self, reason: str) -> Dict:
         """An event of the next step (in its record's grpo_retier; its iteration is set there),
@@ -292,6 +323,7 @@ class GRPOController(ControllerState):
         self.staging.clear()
         if self.step_skipped:
             self.skipped_steps += 1
+            self.outer_synced = []  # its syncs across instances stay pending (OuterSchedule)
             self.ef.discard()
             if self.powersgd is not None:
                 self.powersgd.discard()
@@ -308,6 +340,7 @@ class GRPOController(ControllerState):
                 print(f"[grpo] iter {self.step.k}: {event['reason']}", flush=True)
             return
         self.ef.commit()
+        self.outer_synced = self.outer.applied()
         if self.powersgd is not None:
             self.powersgd.commit()
         for key in self._carry_used:
@@ -333,7 +366,7 @@ class GRPOController(ControllerState):
         """Will the step after this one update the stable tier? (The memory tier prefetches the
         stable tier's state one step ahead.) A re-tier at that step only moves units out of
         stable right after an update, when their state is resident anyway."""
-        if self.config.stable_mode == "compressed":
+        if self.config.stable_mode in ("compressed", "local"):
             return True
         interval = self.config.stable_interval
         return interval > 0 and (self.step.k + 1) % interval == 0
@@ -341,6 +374,21 @@ class GRPOController(ControllerState):
     def unit_active(self, index: int) -> bool:
         """False when the unit is stable and this is not its update step (nothing to do)."""
         return self.tiers[index] != "stable" or self.step.stable_update
+
+    def unit_periodic(self, index: int) -> bool:
+        """Does the unit train locally inside its instance this step (synced across instances
+        every few steps through the outer optimizer)? Never in the warm-up, never for a unit
+        pinned to core (its copies on two pipeline stages are synced exactly every step)."""
+        return self.tiered and self.outer.periodic(self.tiers[index]) and not self.units[index].pinned
+
+    def instances_agree(self) -> bool:
+        """Are all instances' copies meant to be identical after this step? Not while a periodic
+        tier holding units of the replica is between syncs."""
+        if not self.outer.active or not self.tiered:
+            return True
+        live = {t for t, pinned in zip(self.replica_tiers, self.replica_pinned)
+                if not pinned and self.outer.periodic(t)}
+        return live <= set(self.outer_synced)
 
     def unit_compressor(self, index: int):
         """The compressor of the unit's gradient and parameter sync this step, or None for an
@@ -350,16 +398,21 @@ class GRPOController(ControllerState):
         compressed in --grpo-stable-mode compressed (with the dynamic tier's compressor after
         remediation); with one data-parallel rank there is nothing to send, so nothing is
         compressed."""
-        if self.dp_size <= 1:
+        if self.dp_size <= 1 or self.unit_periodic(index):
             return None
         tier = self.tiers[index]
         if tier == "dynamic":
             return self.compressor
-        if tier == "stable" and self.stable_compressor is not None and self.tiered:
+        if tier == "stable" and self.config.stable_mode == "compressed" and self.tiered:
             return self.compressor if self.stable_fallback else self.stable_compressor
         if tier == "core" and self._core_compressed() and not self.units[index].pinned:
             return self.core_compressor
         return None
+
+    def delta_compressor(self, tier: str):
+        """The compressor of a periodic tier's parameter deltas across instances (None: exact)."""
+        return {"core": self.core_compressor, "dynamic": self.compressor,
+                "stable": self.stable_compressor}[tier]
 
     def _core_compressed(self) -> bool:
         return self.tiered and self.core_compressor is not None and not self.core_exact
@@ -367,11 +420,13 @@ class GRPOController(ControllerState):
     def _watched_tiers(self) -> List[str]:
         """Tiers of the replica that go through error-feedback compression (the same on every
         rank: replica tiers and flags agreed by all), hence what a monitoring step measures."""
-        out = ["dynamic"] if "dynamic" in self.replica_tiers else []
-        if self._core_compressed() and any(t == "core" and not pinned for t, pinned
+        # A periodic tier sends no gradients across instances: nothing to watch per step.
+        local = self.outer.periodic
+        out = ["dynamic"] if "dynamic" in self.replica_tiers and not local("dynamic") else []
+        if self._core_compressed() and not local("core") and any(t == "core" and not pinned for t, pinned
                                            in zip(self.replica_tiers, self.replica_pinned)):
             out.append("core")
-        if self.stable_compressor is not None and "stable" in self.replica_tiers:
+        if self.stable_compressor is not None and "stable" in self.replica_tiers and not local("stable"):
             out.append("stable")
         return out
 
@@ -447,6 +502,9 @@ class GRPOController(ControllerState):
         for key in list(self.accum):
             if key[0] in moved_local:  # re-tiering happens right after a stable update: empty
                 self.accum.pop(key)
+        self.left_local = sorted(
+            i - offset for i, a, b in plan.moved if self.layout.local.start <= i < self.layout.local.stop
+            and self.outer.periodic(a) and not self.outer.periodic(b))
         self.replica_tiers = list(plan.tiers)
         self.tiers = self.replica_tiers[self.layout.local]
         plan.shares = self.shares()
@@ -548,40 +606,3 @@ class GRPOController(ControllerState):
         self._new_events.append(event)
         if dist.get_rank() == 0:
             print(f"[grpo] iter {k}: {reason}", flush=True)
-
-    # ------------------------------------------------------------------ reporting
-    def shares(self) -> Dict[str, float]:
-        """Share of the replica's gradient elements in each tier."""
-        total = sum(self.replica_numels) or 1
-        return {t: sum(n for n, x in zip(self.replica_numels, self.replica_tiers) if x == t) / total
-                for t in ("core", "dynamic", "stable")}
-
-    def metrics(self, wire_by_tag: Dict[str, int], step_time_s: float) -> Dict:
-        out = {f"grpo_share_{t}": v for t, v in self.shares().items()}
-        for t in ("core", "dynamic", "stable"):
-            out[f"wire_bytes_{t}"] = wire_by_tag.get(t, 0)
-        out["wire_bytes_grpo_control"] = wire_by_tag.get("grpo_control", 0)
-        out["grpo_importance_time_s"] = self.importance_timer.total_s()
-        wait = self.wait_timer_.total_s()
-        out["grpo_wait_time_s"] = wait
-        out["grpo_ru"] = max(0.0, 1.0 - wait / step_time_s) if step_time_s > 0 else None
-        out["grpo_timing"] = "cuda_events" if self.wait_timer_.on_device else "host"
-        out["grpo_stable_update"] = self.step.stable_update
-        out["grpo_tiered"] = self.tiered
-        out["grpo_ef_bytes"] = self.ef.nbytes()
-        out["grpo_skipped_steps"] = self.skipped_steps
-        if not self.step_skipped:
-            for tier in sorted(self.health.measured):
-                h = self.health.last[tier]
-                out[f"grpo_gvr_{tier}"] = h["gvr"]
-                out[f"grpo_rel_error_{tier}"] = h["rel_error"]
-                out[f"grpo_cosine_{tier}"] = h["cosine"]
-            if "dynamic" in self.health.measured:
-                h = self.health.last["dynamic"]
-                out["grpo_gvr_in_range"] = self.config.gvr_min <= h["gvr"] <= self.config.gvr_max
-        out["grpo_core_exact"] = self.core_exact
-        out["grpo_stable_fallback"] = self.stable_fallback
-        if self._new_events:
-            out["grpo_retier"] = self._new_events
-        out["grpo_tier_map"] = "".join(t[0] for t in self.tiers)
-        return out

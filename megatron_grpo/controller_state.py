@@ -14,7 +14,7 @@ class ControllerState:
                 "retier_pending": self.retier_pending, "events": self.events,
                 "remediations": self.remediations, "skipped_steps": self.skipped_steps,
                 "core_exact": self.core_exact, "stable_fallback": self.stable_fallback,
-                "warmup_origin": self.warmup_origin or 0,
+                "warmup_origin": self.warmup_origin or 0, "outer": self.outer.state_dict(),
                 **self.health.state_dict()}
 
     def rank_state(self) -> Dict:
@@ -42,6 +42,7 @@ class ControllerState:
         self.core_exact = state.get("core_exact", False)  # absent before the core monitor
         self.stable_fallback = state.get("stable_fallback", False)  # absent before issue 9's int2
         self.warmup_origin = state.get("warmup_origin", 0)  # absent before --no-load-optim
+        self.outer.load_state_dict(state.get("outer"))  # absent before the periodic tiers
 
     def load_rank_state(self, state: Dict) -> None:
         if not state:

@@ -37,16 +37,32 @@ def grpo_hooks(cfg):
     def after_build(built):
         device = next(built.ddp_model[0].module.parameters()).device
         ctrl = GRPOController(cfg.grpo, built.ddp_model, device, ps.get_data_parallel_group())
+        ctrl.final_iteration = cfg.training.train_iters
         install(built.ddp_model, ctrl)
-        for opt in grpo_optimizers(built.optimizer):
+        opts = grpo_optimizers(built.optimizer)
+        if ctrl.outer.active and len(opts) > 1:
+            # megatron's chained norm over several optimizers bypasses their own get_grad_norm,
+            # so instances could clip differently: not supported yet.
+            raise ValueError(f"rank {torch.distributed.get_rank()}: GRPO's periodic tiers need one "
+                             f"distributed optimizer (this model built {len(opts)}: several parameter "
+                             f"dtypes or expert parameters); run with per-step tiers")
+        for opt in opts:
             opt.bind(ctrl)
         state["ctrl"], state["built"] = ctrl, built
         state["placement"] = build_placement(cfg.offload, built.optimizer, ctrl,
                                              torch.distributed.get_rank())
 
+    def outer_syncs():
+        return [o.outer_sync for o in grpo_optimizers(state["built"].optimizer) if o.outer_sync is not None]
+
     def before_step(iteration):
         ctrl = state["ctrl"]
         ctrl.begin_step(iteration)
+        if ctrl.left_local:
+            # Units that left a periodic tier step on synced gradients from now on: their Adam
+            # moments, grown on each instance's own gradients, must agree first.
+            for outer in outer_syncs():
+                outer.average_moments(ctrl.left_local)
         placement = state["placement"]
         if placement is not None:
             # Optimizer state appears at a parameter's first update: registered as it comes.
@@ -56,6 +72,10 @@ def grpo_hooks(cfg):
 
     def step_metrics(iteration, wire, step_time):
         rec = state["ctrl"].metrics(wire["by_tag"], step_time)
+        drift = [o.last_drift for o in outer_syncs() if o.last_drift is not None]
+        if state["ctrl"].outer_synced and drift:
+            # How far this rank's instance had drifted from the mean at the sync (rank 0's shards).
+            rec["grpo_outer_drift"] = max(drift)
         if state["placement"] is not None:
             rec.update(state["placement"].step_metrics())
         return rec
@@ -109,6 +129,7 @@ def grpo_hooks(cfg):
         load_state=load_state,
         rank_state=rank_state,
         load_rank_state=load_rank_state,
+        weight_check_scope=lambda: "dp" if state["ctrl"].instances_agree() else "instance",
         before_save=before_save,
         finish=finish,
     )

@@ -105,7 +105,7 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
         stream.wait_stream(self.grpo.current_stream())
         return self.grpo.stream_context(stream)
 
-    def _add_pending(self, scale_first: bool) -> None:
+    def _add_pending(self, scale_first: bool, multiplier: float = 1.0) -> None:
         """Deliver carried residuals (a unit that left the dynamic tier) with this sync. The
         carry is removed only when the step is applied (GRPOController.end_step), so a skipped
         step delivers it again next time."""
@@ -117,6 +117,8 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
             # already scaled, so pre-divide it when the exact path will scale afterwards.
             factor = b.gradient_scaling_factor
             value = carry if scale_first or factor == 1.0 else carry / factor
+            if multiplier != 1.0:
+                value = value * multiplier
             if value.numel() != b.grad_data.numel():
                 # Hierarchical: the residual was this rank's part of the inter-instance
                 # all-reduce (its shard, maybe padded); on its own shard the intra-instance
@@ -138,6 +140,9 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
         tier = ctrl.tiers[unit]
         with self._side_stream():
             ctrl.observe_importance(unit)
+            if ctrl.unit_periodic(unit):
+                self._start_local_reduce(tier)
+                return
             if tier == "stable" and not ctrl.step.stable_update:
                 self._hold_stable_gradient()
                 self.grad_reduce_handle = _Completed()
@@ -212,6 +217,26 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
                 handles.append(InterInstanceAllReduce((self.grpo_unit, i), own, ctrl.ef, compressor,
                                                       inter, async_op, stats=stats,
                                                       exact_offsets=self._replicated_in_shard(i, b)))
+        self.grad_reduce_handle = _Handles(handles) if async_op else _Completed()
+
+    def _start_local_reduce(self, tier: str) -> None:
+        """A periodic tier (local updates): megatron's exact reduce-scatter inside the instance
+        only; nothing crosses instances until the outer sync (megatron/outer.py). megatron's
+        scaling factor is 1/dp for a sum over all instances; one instance's sum is scaled by
+        I/dp instead, so each instance steps on its own mean gradient. A carried residual (the
+        unit left a per-step compressed tier) is owed to the mean over instances: I times it in
+        one instance's gradient delivers it once on average."""
+        ctrl = self.grpo
+        instances = self.inter_distributed_optimizer_instance_group.size()
+        for b in self.buckets:
+            b.grad_data *= b.gradient_scaling_factor * instances
+        self._add_pending(scale_first=True, multiplier=float(instances))
+        async_op = self.ddp_config.overlap_grad_reduce
+        handles = []
+        with ctrl.counter.tag(tier):
+            for b in self.buckets:
+                handles.append(torch.distributed.reduce_scatter_tensor(
+                    self._own_shard(b.grad_data), b.grad_data, group=self._group, async_op=async_op))
         self.grad_reduce_handle = _Handles(handles) if async_op else _Completed()
 
     def _hold_stable_gradient(self) -> None:
@@ -312,6 +337,13 @@ def install(ddp_chunks: list, controller) -> None:
                              f"overlap_param_gather (DistributedDataParallelConfig, "
                              f"--overlap-param-gather) yet: build the DDP model without it")
         instances = getattr(chunk.ddp_config, "num_distributed_optimizer_instances", 1)
+        if instances == 1 and controller.config.periodic and controller.dp_size > 1:
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            # --num-distributed-optimizer-instances 0 on a single node resolves to 1.
+            raise ValueError(f"rank {rank}: GRPO's periodic tiers (--grpo-*-sync-interval > 1, "
+                             f"--grpo-stable-mode local or --grpo-internode-preset) sync across "
+                             f"distributed-optimizer instances, but this run has one: run on "
+                             f"several nodes with --num-distributed-optimizer-instances 0, or set N > 1")
         if instances > 1:
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
             # Not built for the hierarchy yet: PowerSGD's factors are all-reduced over the flat

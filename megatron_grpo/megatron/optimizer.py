@@ -32,6 +32,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 class GRPODistributedOptimizer(DistributedOptimizer):
     grpo = None  # GRPOController, bound by bind()
     placement = None  # TierPlacement of the memory tier (--grpo-offload), set by build_placement
+    outer_sync = None  # OuterSync of the periodic tiers between instances (megatron/outer.py)
 
     def bind(self, controller) -> None:
         self.grpo = controller
@@ -40,6 +41,10 @@ class GRPODistributedOptimizer(DistributedOptimizer):
         for group in self.shard_fp32_groups:
             for shard in group:
                 shard.data = shard.data.clone()
+        if controller.outer.active:
+            from megatron_grpo.megatron.outer import OuterSync
+
+            self.outer_sync = OuterSync(self, controller)
 
     # -- helpers ---------------------------------------------------------------------------------
     def _pairs(self):
@@ -59,6 +64,8 @@ class GRPODistributedOptimizer(DistributedOptimizer):
         ctrl = self.grpo
         if ctrl is None:
             return
+        if self.outer_sync is not None:
+            self.outer_sync.capture()  # before the inner step: anchors of newly periodic units
         for model_param, shard in self._pairs():
             unit = ctrl.unit_of_bucket[id(self._bucket_of(model_param))]
             if not ctrl.unit_active(unit):
@@ -69,8 +76,7 @@ class GRPODistributedOptimizer(DistributedOptimizer):
     def prepare_grads(self) -> bool:
         """megatron's own check (with a grad scaler), then GRPO's: a non-finite value in any
         gradient this rank applies, or in a delayed stable unit's held local gradient, skips the
-        step on every rank (the flag is all-reduced over the grad-stats group, the whole job for
-        the distributed optimizer), exactly as megatron skips an fp16 overflow step. The
+        step on every rank (the flag is all-reduced over the whole job), exactly as megatron skips an fp16 overflow step. The
         controller then leaves residuals, accumulators and importance as they were; without the
         check, one Inf in a dynamic bucket made its error-feedback chunk non-finite for good."""
         ctrl = self.grpo
@@ -81,21 +87,46 @@ class GRPODistributedOptimizer(DistributedOptimizer):
         found = super().prepare_grads()
         if ctrl is None:
             return found
-        if not found:
-            grads = [shard.grad for _, shard in self._pairs() if shard.grad is not None]
-            grads += [g for g in ctrl.held_gradients()]
-            device = ctrl.device
-            flag = torch.zeros(1, dtype=torch.float32, device=device)
-            if grads:
-                # Sum of norms is finite iff every gradient is (one fused kernel per dtype).
-                norms = torch._foreach_norm(grads)
-                flag += (~torch.isfinite(torch.stack([n.float() for n in norms]).sum())).float().to(device)
-            group = self.get_grad_stats_parallel_group()
-            with ctrl.counter.tag("grpo_control"):
-                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
-            found = bool(flag.item() > 0)
+        device = ctrl.device
+        flag = torch.full((1,), 1.0 if found else 0.0, dtype=torch.float32, device=device)
+        grads = [shard.grad for _, shard in self._pairs() if shard.grad is not None] if not found else []
+        grads += [g for g in ctrl.held_gradients()] if not found else []
+        if grads:
+            # Sum of norms is finite iff every gradient is (one fused kernel per dtype).
+            norms = torch._foreach_norm(grads)
+            flag += (~torch.isfinite(torch.stack([n.float() for n in norms]).sum())).float().to(device)
+        # Over the whole job, whatever megatron found: its grad-stats group is one instance with
+        # --num-distributed-optimizer-instances > 1, and instances that disagree on skipping
+        # would issue different collectives (the outer sync) and diverge.
+        with ctrl.counter.tag("grpo_control"):
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        found = bool(flag.item() > 0)
         ctrl.note_nonfinite(found)
         return found
+
+    # -- extend MegatronOptimizer.get_grad_norm / clip_grad_norm -----------------------------------
+    def get_grad_norm(self):
+        """megatron's norm is taken over the instance (its grad-stats group). With periodic tiers
+        each instance's local gradients differ, so the norms, hence the clipping coefficients,
+        would differ, and the units synced every step would drift apart between instances.
+        Every instance uses sqrt(mean over instances of norm^2) instead: the same norm for a
+        synced model, one common coefficient everywhere."""
+        norm = super().get_grad_norm()
+        if self.outer_sync is None:
+            return norm
+        return self.outer_sync.common_norm(norm)
+
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        if self.outer_sync is None:
+            return super().clip_grad_norm(clip_grad)
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        norm = self.get_grad_norm()
+        params = self.get_parameters()
+        if params:
+            clip_grad_by_total_norm_fp32(params, clip_grad, norm,
+                                         self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+        return norm
 
     # -- replaces DistributedOptimizer._copy_main_params_to_model_params ----------------------------
     def _copy_main_params_to_model_params(self, units=None):
@@ -105,6 +136,10 @@ class GRPODistributedOptimizer(DistributedOptimizer):
         ctrl = self.grpo
         if ctrl is None:
             return super()._copy_main_params_to_model_params()
+        if units is None and self.outer_sync is not None:
+            # The inner step is applied (megatron skips this copy on a skipped step): the periodic
+            # tiers due now average their deltas across instances, before the instance's gather.
+            self.outer_sync.sync()
         # Hierarchical (partial distributed optimizer): the parameter all-gather stays inside the
         # instance and is megatron's exact one.
         compress = (ctrl.config.compress_param_gather
@@ -237,9 +272,17 @@ def get_grpo_optimizer(config, model_chunks, grpo_config=None, **kwargs):
 
 
 def optimizer_state(optimizer) -> Dict:
-    return {"param_steps": [o.param_steps() for o in grpo_optimizers(optimizer)]}
+    opts = grpo_optimizers(optimizer)
+    return {"param_steps": [o.param_steps() for o in opts],
+            "outer": [o.outer_sync.state_dict() if o.outer_sync is not None else None for o in opts]}
 
 
 def load_optimizer_state(optimizer, state: Dict) -> None:
-    for o, steps in zip(grpo_optimizers(optimizer), state.get("param_steps", [])):
+    """Per-rank optimizer extras; call after megatron's load (the outer sync's per-instance
+    masters and moments replace the ones megatron restored from instance 0)."""
+    opts = grpo_optimizers(optimizer)
+    for o, steps in zip(opts, state.get("param_steps", [])):
         o.load_param_steps(steps)
+    for o, outer in zip(opts, state.get("outer", [None] * len(opts))):
+        if o.outer_sync is not None:
+            o.outer_sync.load_state_dict(outer)

@@ -218,9 +218,12 @@ def _compare(kind: str, names: List[str], rows: torch.Tensor, group) -> List[Mis
     return found
 
 
-def check_weight_hashes(ddp_model_chunks) -> WeightHashResult:
+def check_weight_hashes(ddp_model_chunks, dp_scope: str = "dp") -> WeightHashResult:
     """Compare every parameter across the dp group, replicated ones across the tp group and the
-    tied word embedding across the embedding group. Collective: call on every rank."""
+    tied word embedding across the embedding group. Collective: call on every rank.
+    ``dp_scope`` "instance": compare dp copies inside each distributed-optimizer instance only
+    (megatron's partial data-parallel group), for a step after which GRPO's periodic tiers are
+    between syncs and the instances are meant to differ; every rank must pass the same scope."""
     from megatron.core import parallel_state as ps
 
     from megatron_grpo.comm.wire import wire_counter
@@ -247,7 +250,8 @@ def check_weight_hashes(ddp_model_chunks) -> WeightHashResult:
 
         # dp: all parameters. Expert (MoE) parameters, allreduce=False, are replicated over the
         # expert data-parallel group instead; none exist in this project's models.
-        dp_group = ps.get_data_parallel_group(with_context_parallel=True)
+        dp_group = ps.get_data_parallel_group(with_context_parallel=True,
+                                              partial_data_parallel=dp_scope == "instance")
         dp_idx = [i for i, (_, p) in enumerate(named) if getattr(p, "allreduce", True)]
         if dist.get_world_size(dp_group) > 1 and dp_idx:
             found += _compare("dp", [names[i] for i in dp_idx], digests[dp_idx], dp_group)

@@ -358,6 +358,7 @@ def validate(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
     from megatron_grpo.offload.config import OffloadConfigError
 
     try:
+        cfg.grpo.apply_preset()
         cfg.grpo.validate(world_size)
         cfg.offload.validate(planned=True)
     except (GRPOConfigError, OffloadConfigError) as exc:
@@ -370,6 +371,27 @@ def validate(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
                           "--pipeline-model-parallel-size 1: the tied embedding's copies on the first "
                           "and last pipeline stage would be tiered apart. Untie the output layer "
                           "(--untie-embeddings-and-output-weights) or run PP 1")
+    if cfg.grpo.enabled and cfg.grpo.periodic:
+        # Local updates need instances to be local to: megatron's partial distributed optimizer.
+        if p.num_distributed_optimizer_instances == 1:
+            raise ConfigError(_periodic_flags(cfg.grpo) + " train tiers locally inside a "
+                              "distributed-optimizer instance and sync them across instances: set "
+                              "--num-distributed-optimizer-instances N > 1 (0: one per node)")
+        if cfg.offload.target != "none":
+            raise ConfigError(f"--grpo-offload {cfg.offload.target} with {_periodic_flags(cfg.grpo)}: "
+                              f"the memory tier streams optimizer state the outer sync reads; "
+                              f"use one or the other")
     if cfg.offload.target != "none" and not cfg.grpo.enabled:
         raise ConfigError(f"--grpo-offload {cfg.offload.target} places GRPO's stable tier: it "
                           f"needs --grpo (the megatron baseline has no tiers)")
+
+
+def _periodic_flags(grpo) -> str:
+    """The flags that made tiers periodic, for error messages."""
+    if grpo.internode_preset != "none":
+        return f"--grpo-internode-preset {grpo.internode_preset}"
+    out = [f"--grpo-{t}-sync-interval {grpo.sync_interval(t)}" for t in ("core", "dynamic")
+           if grpo.sync_interval(t) > 1]
+    if grpo.stable_mode == "local":
+        out.append("--grpo-stable-mode local")
+    return " and ".join(out)

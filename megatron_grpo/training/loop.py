@@ -292,9 +292,11 @@ def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption) -> RunSu
         if budget is not None:
             record.update(budget.metrics())
         if weight_check.check_due(hash_interval, iteration):
-            hashes = weight_check.check_weight_hashes(built.ddp_model)  # tagged "weight_check"
+            scope = hooks.weight_check_scope()
+            hashes = weight_check.check_weight_hashes(built.ddp_model, scope)  # tagged "weight_check"
             counter.reset()  # its traffic is no step's traffic
             record["weight_hash_ok"] = hashes.ok
+            record["weight_hash_scope"] = scope
             if not hashes.ok:  # log the failing record, then stop on every rank (no save)
                 if writer:
                     logger.log(record)
