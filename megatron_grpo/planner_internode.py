@@ -12,16 +12,22 @@ The layouts (one pipeline stage; the counter's link classes, megatron_grpo.comm.
   sends a compressing tier's shard as a compressed reduce-scatter + all-gather: 2 (I-1)
   payloads of one row of ceil(shard / I) elements; an exact core, and a stable unit on its
   update step, megatron's all-reduce; a stable unit between updates nothing.
+* **periodic tiers** (``--grpo-{core,dynamic}-sync-interval H`` > 1, ``--grpo-stable-mode
+  local``; megatron_grpo.comm.outer): nothing crosses the instances between syncs; at a sync the
+  shard's parameter delta goes exactly (all-reduce) or compressed (the same 2 (I-1) row
+  payloads). The step before each re-tier syncs every periodic tier exactly instead: when the
+  re-tier interval R is a multiple of H that replaces a regular sync, else it comes on top.
 
-Not counted: GRPO's control traffic (importance and health all-reduces, a few hundred bytes)
-and logging scalars. tests/multiproc/test_hierarchy.py checks these figures against counted
+Not counted: GRPO's control traffic (importance and health all-reduces, a few hundred bytes),
+logging scalars, the exact sync at the run's last iteration, and the Adam moments of units that
+leave a periodic tier at a re-tier (two exact all-reduces of their shards, once). tests/multiproc/test_hierarchy.py checks these figures against counted
 bytes of real runs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 from megatron_grpo.comm.analytic import baseline_step_bytes, ddp_bucket_numels
 from megatron_grpo.comm.compress import build_compressor
@@ -47,13 +53,35 @@ class InterNodeTraffic:
     """GRPO hierarchical, stable tier on its update step (exact), 0 on the other steps; in
     --grpo-stable-mode compressed its compressed all-reduce, every step."""
     stable_interval: int
-    """Steps between stable updates (0: never)."""
+    """Steps between stable updates (0: never); with --grpo-stable-mode local, between the
+    stable tier's syncs (hier_stable_update is then its delta sync)."""
+    core_interval: int = 1
+    """Steps between the core tier's syncs (hier_core is one sync; 1: every step)."""
+    dynamic_interval: int = 1
+    """Steps between the dynamic tier's syncs (hier_dynamic is one sync; 1: every step)."""
+    exact: Optional[Dict[str, int]] = None
+    """Periodic tiers only: bytes of the tier's exact sync (the step before a re-tier)."""
+    retier_interval: int = 0
+    """Steps between re-tiers (each preceded by an exact sync of every periodic tier)."""
+
+    def per_step(self, tier: str) -> float:
+        """A tier's inter-node bytes per step, averaged over its schedule."""
+        sync, every = {"core": (self.hier_core, self.core_interval),
+                       "dynamic": (self.hier_dynamic, self.dynamic_interval),
+                       "stable": (self.hier_stable_update, self.stable_interval)}[tier]
+        if not every:
+            return 0.0
+        out = sync / every
+        exact = (self.exact or {}).get(tier)
+        if exact is not None and self.retier_interval:
+            # The exact sync before a re-tier replaces a regular one when the periods align.
+            out += (exact - (sync if self.retier_interval % every == 0 else 0)) / self.retier_interval
+        return out
 
     @property
     def hier_grpo(self) -> float:
-        """GRPO hierarchical, average over a stable interval."""
-        stable = self.hier_stable_update / self.stable_interval if self.stable_interval else 0.0
-        return self.hier_core + self.hier_dynamic + stable
+        """GRPO hierarchical, average over the tiers' schedules."""
+        return sum(self.per_step(t) for t in ("core", "dynamic", "stable"))
 
     @property
     def ratio(self) -> float:
@@ -103,18 +131,27 @@ def internode(model, cluster, grpo, bucket_size: Optional[int] = None,
     # --grpo-stable-mode compressed: the stable tier's own compressor, every step.
     stable_c = (build_compressor(grpo.stable_compressor, grpo.compress_chunk)
                 if grpo.stable_mode == "compressed" else None)
+    local = grpo.stable_mode == "local" and inst > 1
+    if local:  # deltas through the stable compressor at each sync
+        stable_c = build_compressor(grpo.stable_compressor, grpo.compress_chunk)
     stable_b = [exact(n) if stable_c is None else compressed(n, stable_c) for n in units]
-    if tiers is not None:
-        tier_list = parse_tiers(tiers, len(units))
-        core = sum(b for b, t in zip(core_b, tier_list) if t == "core")
-        dynamic = sum(b for b, t in zip(dyn_b, tier_list) if t == "dynamic")
-        stable = sum(b for b, t in zip(stable_b, tier_list) if t == "stable")
-    else:
-        core = round(grpo.core_share * sum(core_b))
-        dynamic = round(grpo.dynamic_share * sum(dyn_b))
-        stable = round(grpo.stable_share * sum(stable_b))
+    exact_b = [exact(n) for n in units]
+    shares = {"core": grpo.core_share, "dynamic": grpo.dynamic_share, "stable": grpo.stable_share}
+    tier_list = parse_tiers(tiers, len(units)) if tiers is not None else None
+
+    def total(tier: str, per_unit) -> int:
+        if tier_list is not None:
+            return sum(b for b, t in zip(per_unit, tier_list) if t == tier)
+        return round(shares[tier] * sum(per_unit))
+
+    core, dynamic, stable = total("core", core_b), total("dynamic", dyn_b), total("stable", stable_b)
+    intervals = {t: (grpo.sync_interval(t) if inst > 1 else 1) for t in ("core", "dynamic")}
+    periodic = [t for t, h in intervals.items() if h > 1] + (["stable"] if local else [])
     return InterNodeTraffic(inst, flat, hier, core, dynamic, stable,
-                            1 if stable_c is not None else grpo.stable_interval)
+                            1 if stable_c is not None and not local else grpo.stable_interval,
+                            core_interval=intervals["core"], dynamic_interval=intervals["dynamic"],
+                            exact={t: total(t, exact_b) for t in periodic} or None,
+                            retier_interval=grpo.retier_interval if periodic else 0)
 
 
 def format_internode(t: InterNodeTraffic, flat_grpo: Optional[float] = None) -> str:
@@ -126,6 +163,8 @@ def format_internode(t: InterNodeTraffic, flat_grpo: Optional[float] = None) -> 
         lines.append(f"  GRPO flat              {mb(flat_grpo)}")
     lines += [f"  megatron hierarchical  {mb(t.hier_baseline)}",
               f"  GRPO hierarchical      {mb(t.hier_grpo)} ({t.ratio:.3f}x megatron hierarchical; "
-              f"core {mb(t.hier_core)}, dynamic {mb(t.hier_dynamic)}, stable {mb(t.hier_stable_update)} "
-              f"every {t.stable_interval or 'never'})"]
+              f"core {mb(t.hier_core)} every {t.core_interval}, dynamic {mb(t.hier_dynamic)} every "
+              f"{t.dynamic_interval}, stable {mb(t.hier_stable_update)} every {t.stable_interval or 'never'}"
+              + (f"; exact sync of the periodic tiers every {t.retier_interval} (re-tier)"
+                 if t.retier_interval else "") + ")"]
     return "\n".join(lines)

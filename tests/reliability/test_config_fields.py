@@ -80,6 +80,10 @@ RANGE = {
     "grpo.gvr_window": ["--grpo-gvr-window", "0"], "grpo.remediation_promote": ["--grpo-remediation-promote", "0"],
     "grpo.sparse_gradient_tier": ["--grpo-sparse-gradient-tier", "all"],
     "grpo.max_dynamic_share": ["--grpo-max-dynamic-share", "1.5"],
+    "grpo.core_sync_interval": ["--grpo-core-sync-interval", "0"],
+    "grpo.dynamic_sync_interval": ["--grpo-dynamic-sync-interval", "0"],
+    "grpo.outer_lr": ["--grpo-outer-lr", "0"], "grpo.outer_momentum": ["--grpo-outer-momentum", "1.0"],
+    "grpo.internode_preset": ["--grpo-internode-preset", "diloco"],
     "offload.target": ["--grpo", "--grpo-offload", "disk"], "offload.stream": None,
     "offload.residuals": None,
     "offload.offload_dir": ["--grpo", "--grpo-offload", "ssd"],  # ssd without a directory

@@ -63,7 +63,7 @@ def test_shipped_configs_parse():
     (["--grpo-retier-interval", "0"], "--grpo-retier-interval must be a positive integer, got 0"),
     (["--grpo-compressor", "int3"], "--grpo-compressor must be one of int4, int8, topk, powersgd, got 'int3'"),
     (["--grpo-core-share", "0.3"], "must sum to 1"),
-    (["--grpo-stable-mode", "lazy"], "--grpo-stable-mode must be one of frozen, delayed, compressed, got 'lazy'"),
+    (["--grpo-stable-mode", "lazy"], "--grpo-stable-mode must be one of frozen, delayed, compressed, local, got 'lazy'"),
     (["--grpo", "--grpo-offload", "disk"], "--grpo-offload (OffloadConfig.target) must be one of none, cpu, ssd, got 'disk'"),
     (["--grpo", "--grpo-offload", "ssd"], "--grpo-offload-dir (OffloadConfig.offload_dir) must be a local directory with --grpo-offload ssd, got None"),
     (["--grpo-offload", "cpu"], "--grpo-offload cpu places GRPO's stable tier: it needs --grpo"),

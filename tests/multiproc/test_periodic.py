@@ -1,0 +1,108 @@
+"""GRPO's periodic tiers between instances (local updates, megatron_grpo.comm.outer), on 4 gloo
+ranks emulating 2 nodes of 2 (one distributed-optimizer instance per node).
+
+The schedule under test (warm-up 6, so tiering starts after iteration 6; re-tier every 8):
+dynamic syncs its deltas (int4) every 4 iterations: 10, 18; stable (local mode) every 8: 14;
+the step before the re-tier at 15 syncs everything exactly (14), and so does the last (20).
+
+What must hold: the replicas inside an instance are bit-identical after every step; the two
+instances are bit-identical right after each step that synced every periodic tier (the run's
+own weight-hash check, scoped by the run: all 4 copies then, each instance's pair otherwise),
+and only then; the instances did drift between syncs; the bytes between instances are the
+planner's to the byte; a resume in the middle of a period is bit-identical.
+"""
+
+import importlib.util
+import os
+
+import pytest
+
+from harness import REPO, SMALL_MODEL, losses, read_metrics, run_training, train_and_read
+
+NODES = {"MEGATRON_GRPO_RANKS_PER_NODE": "2"}
+ITERS = 20
+PERIODIC = ["--grpo", "--grpo-bucket-mb", "0.04", "--grpo-warmup-iters", "6",
+            "--grpo-retier-interval", "8", "--grpo-importance-interval", "1",
+            "--grpo-core-share", "0.15", "--grpo-dynamic-share", "0.65", "--grpo-stable-share", "0.2",
+            "--grpo-max-dynamic-share", "0.7",
+            "--grpo-dynamic-sync-interval", "4", "--grpo-stable-mode", "local", "--grpo-stable-interval", "8",
+            "--grpo-outer-lr", "0.8", "--grpo-outer-momentum", "0.5"]
+SYNCED = {10: "d", 14: "ds", 18: "d", 20: "ds"}
+ALL_SYNCED = {14, 20}
+
+
+def _args(data):
+    return [*SMALL_MODEL, "--data-path", data, "--train-iters", str(ITERS), "--eval-interval", str(ITERS),
+            "--check-weight-hash-interval", "1", "--num-distributed-optimizer-instances", "2", *PERIODIC]
+
+
+@pytest.fixture(scope="module")
+def run(stdlib_data, tmp_path_factory):
+    return train_and_read(tmp_path_factory.mktemp("periodic"), "periodic", 4, _args(stdlib_data),
+                          extra_env=NODES)
+
+
+def test_copies_identical_inside_instances_and_across_them_after_each_full_sync(run):
+    assert [r["iteration"] for r in run] == list(range(1, ITERS + 1))
+    assert all(r["weight_hash_ok"] for r in run)  # the run stops on a mismatch anyway
+    scopes = {r["iteration"]: r["weight_hash_scope"] for r in run}
+    # All 4 copies compared in the warm-up and after every full sync; each instance's pair
+    # otherwise (the instances are meant to differ then).
+    assert [k for k, s in scopes.items() if s == "dp"] == [1, 2, 3, 4, 5, 6, *sorted(ALL_SYNCED)]
+    tiered = run[6:]
+    assert {r["iteration"]: r["grpo_outer_synced"] for r in tiered if r["grpo_outer_synced"]} == SYNCED
+    # The instances had really moved apart when they synced (not a no-op local phase).
+    for r in tiered:
+        if r["grpo_outer_synced"]:
+            assert 0.01 < r["grpo_outer_drift"] < 2.0, r
+    # Re-tiered at 15, right after the exact sync of 14; the units that left a periodic tier
+    # had their Adam moments averaged across instances before that step.
+    assert [e["iteration"] for r in run for e in r.get("grpo_retier", [])] == [7, 15]
+    assert run[14]["wire_bytes_outer"] > 0
+
+
+def test_bytes_between_instances_are_the_planners(run, stdlib_data):
+    from megatron_grpo.planner_internode import internode
+
+    spec = importlib.util.spec_from_file_location("plan_cli", os.path.join(REPO, "launch", "plan.py"))
+    plan_cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan_cli)
+    model, cluster, grpo, _, _ = plan_cli.spec_from_flags(
+        _args(stdlib_data), nodes=2, gpus_per_node=2, gpu_memory_gb=1.0, link_gbps=1.0, vocab=258,
+        attention="unfused")
+    checked = 0
+    for r in run[6:]:
+        t = internode(model, cluster, grpo, bucket_size=None, tiers=r["grpo_tier_map"])
+        assert (t.dynamic_interval, t.stable_interval, t.core_interval, t.retier_interval) == (4, 8, 1, 8)
+        k, outer = r["iteration"], r["wire_bytes_outer"]
+        if k in ALL_SYNCED:
+            assert outer == t.exact["dynamic"] + t.exact["stable"] > 0, k
+        elif k in SYNCED:
+            assert outer == t.hier_dynamic > 0, k
+        elif k != 15:  # 15: moments of the units that left a periodic tier (checked above)
+            assert outer == 0, k
+        # Every step, core (int8, per step) crosses as planned; the rest is GRPO's scalar control
+        # traffic (importance, the common clipping norm, the skip flag).
+        rest = r["wire_bytes_inter_node"] - r["wire_bytes_logging"] - outer - t.hier_core
+        assert 0 <= rest <= r["wire_bytes_grpo_control"], (k, rest)
+        checked += 1
+    assert checked == ITERS - 6
+    # Between syncs only the core tier and scalars cross: under a tenth of the warm-up's bytes
+    # (the warm-up is megatron's hierarchical sync, tests/multiproc/test_hierarchy.py).
+    quiet = [r["wire_bytes_inter_node"] for r in run[6:] if r["iteration"] not in SYNCED and r["iteration"] != 15]
+    assert max(quiet) < 0.1 * run[0]["wire_bytes_inter_node"]
+
+
+def test_resume_in_the_middle_of_a_period_is_bit_identical(run, stdlib_data, tmp_path):
+    # Saved at 12: dynamic synced at 10, stable not since 6; the instances differ in masters,
+    # Adam moments, anchors, outer momentum and delta residuals, all in the checkpoint.
+    ckpt, metrics = str(tmp_path / "ck"), str(tmp_path / "resumed.jsonl")
+    args = _args(stdlib_data)
+    run_training(4, [*args, "--save", ckpt, "--save-interval", "12", "--exit-after-iter", "13",
+                     "--metrics-file", metrics], extra_env=NODES)
+    run_training(4, [*args, "--load", ckpt, "--metrics-file", metrics], extra_env=NODES)
+    resumed = read_metrics(metrics)[13:]
+    assert [r["iteration"] for r in resumed] == list(range(13, ITERS + 1))
+    assert losses(resumed) == losses(run)[12:]
+    for key in ("grpo_tier_map", "grpo_outer_synced", "wire_bytes_outer", "wire_bytes_inter_node"):
+        assert [r[key] for r in resumed] == [r[key] for r in run[12:]], key
