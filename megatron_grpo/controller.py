@@ -403,7 +403,7 @@ class GRPOController(ControllerState, ControllerReport):
         tier = self.tiers[index]
         if tier == "dynamic":
             return self.compressor
-        if tier == "stable" and self.config.stable_mode == "compressed" and self.tiered:
+        if tier == "stable" and self.stable_compressor is not None and self.tiered:
             return self.compressor if self.stable_fallback else self.stable_compressor
         if tier == "core" and self._core_compressed() and not self.units[index].pinned:
             return self.core_compressor

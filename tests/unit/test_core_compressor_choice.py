@@ -19,6 +19,7 @@ def _ctrl(tiers, dp=2, tiered=True, core="int8", pinned=(), core_exact=False):
                            core_compressor=Int8Compressor(256) if core else None,
                            stable_compressor=None, stable_fallback=False)
     ctrl._core_compressed = lambda: GRPOController._core_compressed(ctrl)
+    ctrl.unit_periodic = lambda i: False  # one instance: no local updates
     return ctrl
 
 

@@ -25,6 +25,7 @@ def _decisions(tiered=True, fallback=False, compressed=True, dp=2):
                            stable_compressor=Int2Compressor(256) if compressed else None,
                            stable_fallback=fallback)
     ctrl._core_compressed = lambda: GRPOController._core_compressed(ctrl)
+    ctrl.unit_periodic = lambda i: False  # one instance: no local updates
     return [type(GRPOController.unit_compressor(ctrl, i)).__name__ for i in range(3)]
 
 
@@ -44,7 +45,7 @@ def test_the_flag_names_its_choices():
                                               r"int8, got 'topk'"):
         GRPOConfig(enabled=True, stable_compressor="topk").validate()
     with pytest.raises(GRPOConfigError, match=r"--grpo-stable-mode must be one of frozen, delayed, "
-                                              r"compressed, got 'int2'"):
+                                              r"compressed, local, got 'int2'"):
         GRPOConfig(enabled=True, stable_mode="int2").validate()
 
 
