@@ -12,8 +12,14 @@ exact warm-up (both runs, same iterations):
     gloo's algorithms included: gloo's reduce-scatter sends twice the ring volume), and the
     floor those bytes imply.
 
+With --internode (issue 12) each node runs --nproc-per-node ranks (default 2 then) and the
+contenders are megatron's partial distributed optimizer with one instance per node (the
+baseline), GRPO per-step between nodes, and GRPO with the dynamic tier synced every 50 steps;
+the table adds the counted inter-node bytes per step.
+
 Needs root (network namespaces). Example (docs/launch.md has the figures):
     .venv/bin/python launch/bench_slow_link.py --rate 200mbit --rate 50mbit --train-iters 80
+    .venv/bin/python launch/bench_slow_link.py --internode --rate none --rate 1gbit --rate 200mbit
 """
 
 from __future__ import annotations
@@ -60,16 +66,31 @@ GRPO_FLAGS = ["--grpo", "--grpo-core-share", "0.15", "--grpo-dynamic-share", "0.
               "--grpo-core-compressor", "none", "--grpo-stable-mode", "frozen"]
 
 
+# Issue 12: one distributed-optimizer instance per node (0: resolved from the ranks per node).
+PER_NODE = ["--num-distributed-optimizer-instances", "0"]
+INTERNODE = [("baseline", PER_NODE), ("grpo-hier", ["--grpo", *PER_NODE]),
+             ("grpo-periodic", ["--grpo", *PER_NODE, "--grpo-dynamic-sync-interval", "50",
+                                "--grpo-retier-interval", "200"])]
+
+
+def contenders(args):
+    """(name, flags) of each job per rate; the first is the baseline."""
+    if args.internode:
+        return INTERNODE
+    return [("baseline", []), ("grpo", GRPO_FLAGS)]
+
+
 def run_pair(cluster, rate: str, args, out: str, first_iter: int) -> Dict[str, Dict]:
     results = {}
-    for name in ("baseline", "grpo"):
+    for name, extra in contenders(args):
         metrics = os.path.join(out, f"{rate}_{name}.jsonl")
         flags = ["--config", args.config, "--data-path", args.data_path, "--train-iters",
                  str(args.train_iters), "--seed", str(args.seed), "--metrics-file", metrics,
-                 "--run-name", f"{name}@{rate}", *(GRPO_FLAGS if name == "grpo" else [])]
+                 "--run-name", f"{name}@{rate}", *extra]
         env = dict(GRPO_ROOT=REPO, PYTHON=sys.executable, GRPO_DEVICE="cpu", SHARED_FS="1",
                    NODE_LOCAL_DIR=os.path.join(out, "local"), PYTHONWARNINGS="ignore",
-                   LOG_DIR=os.path.join(out, f"{rate}_{name}.ranks"))
+                   LOG_DIR=os.path.join(out, f"{rate}_{name}.ranks"),
+                   NPROC_PER_NODE=str(args.nproc_per_node))
         if os.path.exists(metrics):  # a previous run's file would look like progress
             os.remove(metrics)
         t0 = time.monotonic()
@@ -108,12 +129,16 @@ def summarize(rate: str, pair: Dict[str, Dict], first_iter: int) -> Dict:
             "iterations": f"{recs[0]['iteration']}-{recs[-1]['iteration']}",
             "step_mean_s": statistics.fmean(times), "step_median_s": statistics.median(times),
             "counted_bytes_per_step": sent,
+            "inter_node_bytes_per_step": statistics.fmean(r.get("wire_bytes_inter_node", 0) for r in recs),
             "wire_floor_s": sent * 8 / bits if bits else 0.0,
             "link_bytes_per_iter": res["link_bytes_per_iter"],
             "link_floor_s": res["link_bytes_per_iter"] * 8 / bits if bits else 0.0,
             "val_loss": res["records"][-1].get("val_loss"), "job_s": res["job_s"],
         }
-    b, g = row["baseline"], row["grpo"]
+    names = list(pair)
+    b = row[names[0]]
+    row["ratios"] = {n: row[n]["step_mean_s"] / b["step_mean_s"] for n in names[1:]}
+    g = row[names[-1]]  # the headline contender (grpo; grpo-periodic with --internode)
     row["ratio_mean"] = g["step_mean_s"] / b["step_mean_s"]
     row["ratio_median"] = g["step_median_s"] / b["step_median_s"]
     return row
@@ -121,20 +146,23 @@ def summarize(rate: str, pair: Dict[str, Dict], first_iter: int) -> Dict:
 
 def print_row(row: Dict, goal: float) -> None:
     print(f"\n=== link {row['rate']} (each node's egress) ===")
-    print(f"{'':10} {'iters':>8} {'step mean':>10} {'median':>8} {'counted B':>11} {'floor':>7} "
-          f"{'link B/iter':>11} {'floor':>7} {'val loss':>8}")
-    for name in ("baseline", "grpo"):
+    print(f"{'':14} {'iters':>8} {'step mean':>10} {'median':>8} {'counted B':>11} {'floor':>7} "
+          f"{'inter-node B':>12} {'link B/iter':>11} {'floor':>7} {'val loss':>8}")
+    for name in [k for k in row if isinstance(row[k], dict) and "step_mean_s" in row[k]]:
         r = row[name]
         floor = (lambda s: f"{s:>6.3f}s") if rate_bits(row["rate"]) else (lambda s: f"{'-':>7}")
-        print(f"{name:10} {r['iterations']:>8} {r['step_mean_s']:>9.3f}s {r['step_median_s']:>7.3f}s "
+        print(f"{name:14} {r['iterations']:>8} {r['step_mean_s']:>9.3f}s {r['step_median_s']:>7.3f}s "
               f"{r['counted_bytes_per_step']:>11,.0f} {floor(r['wire_floor_s'])} "
+              f"{r['inter_node_bytes_per_step']:>12,.0f} "
               f"{r['link_bytes_per_iter']:>11,.0f} {floor(r['link_floor_s'])} "
               f"{r['val_loss'] or float('nan'):>8.4f}")
+    for name, ratio in row["ratios"].items():
+        print(f"{name} / baseline step time: mean {ratio:.3f}")
     print("(counted B: bytes per rank per step from the byte counter (ring volume); link B: what the "
           "node's link carried per iteration, headers and gloo's own algorithms included; floor = "
           "bytes / link rate)")
     verdict = "met" if row["ratio_mean"] <= goal else "MISSED"
-    print(f"GRPO / baseline step time: mean {row['ratio_mean']:.3f}, median {row['ratio_median']:.3f} "
+    print(f"{[k for k in row['ratios']][-1]} / baseline step time: mean {row['ratio_mean']:.3f}, median {row['ratio_median']:.3f} "
           f"(goal <= {goal}: {verdict})")
 
 
@@ -152,7 +180,13 @@ def main(argv=None) -> int:
     p.add_argument("--goal", type=float, default=0.45)
     p.add_argument("--timeout", type=float, default=1800, help="seconds per job")
     p.add_argument("--out", default=os.path.join(REPO, "runs", "slow_link"))
+    p.add_argument("--internode", action="store_true", help="issue 12's contenders: megatron with one "
+                   "distributed-optimizer instance per node, GRPO per-step and periodic between nodes")
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="ranks per node (default 1; 2 with --internode)")
     args = p.parse_args(argv)
+    if args.nproc_per_node is None:
+        args.nproc_per_node = 2 if args.internode else 1
     rates = args.rate or ["200mbit", "50mbit"]
     for rate in rates:
         rate_bits(rate)

@@ -22,6 +22,7 @@ DEFAULT_CONFIG = os.path.join(CONFIGS, "tiny.yaml")
 DEFAULT_SEEDS = [1234]
 NODES = 2
 HIER = ["--num-distributed-optimizer-instances", str(NODES)]
+PERIODIC = ["--grpo-dynamic-sync-interval", "50", "--grpo-retier-interval", "200"]
 
 CONTENDERS = [
     Contender("baseline", HIER, "megatron, partial distributed optimizer, one instance per node: "
@@ -30,6 +31,20 @@ CONTENDERS = [
     Contender("grpo-flat", ["--grpo"], "GRPO defaults, one instance: every tier's traffic crosses nodes"),
     Contender("grpo-hier", ["--grpo", *HIER],
               "GRPO defaults, one instance per node: exact inside the node, compressed between nodes"),
+    Contender("grpo-periodic", ["--grpo", *HIER, *PERIODIC],
+              "GRPO, one instance per node, dynamic tier trained locally in each node and its "
+              "parameter deltas averaged (int4, error feedback) every 50 steps; int8 core every "
+              "step; re-tier (with an exact sync) every 200"),
+    Contender("grpo-periodic-h10", ["--grpo", *HIER, *PERIODIC, "--grpo-dynamic-sync-interval", "10"],
+              "as grpo-periodic with the dynamic deltas every 10 steps"),
+    Contender("grpo-periodic-nesterov", ["--grpo", *HIER, *PERIODIC, "--grpo-outer-lr", "0.7",
+                                         "--grpo-outer-momentum", "0.9"],
+              "as grpo-periodic with DiLoCo's outer optimizer (lr 0.7, Nesterov momentum 0.9)"),
+    Contender("grpo-periodic-core10", ["--grpo", *HIER, *PERIODIC, "--grpo-core-sync-interval", "10"],
+              "as grpo-periodic with the core tier trained locally too, its int8 deltas every 10 steps"),
+    Contender("grpo-source", ["--grpo", *HIER, "--grpo-internode-preset", "source"],
+              "the source's 100/50/200 preset: core exact every 100, dynamic int4 every 50, "
+              "stable (20 %, local) every 200, re-tier every 200"),
 ]
 
 
