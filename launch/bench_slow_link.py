@@ -14,7 +14,8 @@ exact warm-up (both runs, same iterations):
 
 With --internode (issue 12) each node runs --nproc-per-node ranks (default 2 then) and the
 contenders are megatron's partial distributed optimizer with one instance per node (the
-baseline), GRPO per-step between nodes, and GRPO with the dynamic tier synced every 50 steps;
+baseline), GRPO flat (one instance), GRPO per-step between nodes, and GRPO with local updates
+(core int8 deltas every 10 steps, dynamic int4 every 50);
 the table adds the counted inter-node bytes per step.
 
 Needs root (network namespaces). Example (docs/launch.md has the figures):
@@ -68,9 +69,9 @@ GRPO_FLAGS = ["--grpo", "--grpo-core-share", "0.15", "--grpo-dynamic-share", "0.
 
 # Issue 12: one distributed-optimizer instance per node (0: resolved from the ranks per node).
 PER_NODE = ["--num-distributed-optimizer-instances", "0"]
-INTERNODE = [("baseline", PER_NODE), ("grpo-hier", ["--grpo", *PER_NODE]),
-             ("grpo-periodic", ["--grpo", *PER_NODE, "--grpo-dynamic-sync-interval", "50",
-                                "--grpo-retier-interval", "200"])]
+INTERNODE = [("baseline", PER_NODE), ("grpo-flat", ["--grpo"]), ("grpo-hier", ["--grpo", *PER_NODE]),
+             ("grpo-local", ["--grpo", *PER_NODE, "--grpo-core-sync-interval", "10",
+                             "--grpo-dynamic-sync-interval", "50", "--grpo-retier-interval", "200"])]
 
 
 def contenders(args):
@@ -138,7 +139,7 @@ def summarize(rate: str, pair: Dict[str, Dict], first_iter: int) -> Dict:
     names = list(pair)
     b = row[names[0]]
     row["ratios"] = {n: row[n]["step_mean_s"] / b["step_mean_s"] for n in names[1:]}
-    g = row[names[-1]]  # the headline contender (grpo; grpo-periodic with --internode)
+    g = row[names[-1]]  # the headline contender (grpo; grpo-local with --internode)
     row["ratio_mean"] = g["step_mean_s"] / b["step_mean_s"]
     row["ratio_median"] = g["step_median_s"] / b["step_median_s"]
     return row

@@ -42,6 +42,9 @@ CONTENDERS = [
               "as grpo-periodic with DiLoCo's outer optimizer (lr 0.7, Nesterov momentum 0.9)"),
     Contender("grpo-periodic-core10", ["--grpo", *HIER, *PERIODIC, "--grpo-core-sync-interval", "10"],
               "as grpo-periodic with the core tier trained locally too, its int8 deltas every 10 steps"),
+    Contender("grpo-periodic-c4h10", ["--grpo", *HIER, *PERIODIC, "--grpo-core-sync-interval", "4",
+                                      "--grpo-dynamic-sync-interval", "10"],
+              "core int8 deltas every 4 steps, dynamic int4 deltas every 10"),
     Contender("grpo-source", ["--grpo", *HIER, "--grpo-internode-preset", "source"],
               "the source's 100/50/200 preset: core exact every 100, dynamic int4 every 50, "
               "stable (20 %, local) every 200, re-tier every 200"),

@@ -56,11 +56,12 @@ class OuterOptimizer:
         return list(self.anchor)
 
     def sync(self, key: Hashable, local: torch.Tensor, compressor=None,
-             exact_offsets: Optional[torch.Tensor] = None) -> Tuple[float, float]:
+             exact_offsets: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """Average this unit-shard's deltas across instances and apply the outer step to ``local``
         (a 1-D fp32 shard, written in place). Collective over the inter-instance group.
         ``compressor`` None sends exactly. Returns (sum of squares of this instance's delta minus
-        the mean delta, sum of squares of the mean delta): how far the instances had drifted."""
+        the mean delta, sum of squares of the mean delta) as 0-dim tensors on the shard's device
+        (read once per sync by the caller, not once per bucket): how far the instances drifted."""
         anchor = self.anchor[key]
         delta = anchor - local
         mine = delta.clone()
@@ -75,8 +76,8 @@ class OuterOptimizer:
                                    exact_offsets=exact_offsets)
             self.ef.commit()
         mean = delta.div_(self.instances)
-        spread = float(mine.sub_(mean).square().sum())
-        size = float(mean.square().sum())
+        spread = mine.sub_(mean).square().sum()
+        size = mean.square().sum()
         if self.mu > 0.0:
             buf = self.momentum.get(key)
             if buf is None:

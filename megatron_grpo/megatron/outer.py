@@ -101,7 +101,7 @@ class OuterSync:
         due = [u for u in self._periodic_units() if ctrl.outer.due(ctrl.tiers[u])]
         if not due:
             return
-        spread = size = 0.0
+        spread = size = 0  # 0-dim device tensors once summed: one host read per sync
         with ctrl.counter.tag("outer"):
             for key in self._keys(set(due)):
                 flat = self._gather(key, lambda p: p)
@@ -111,6 +111,7 @@ class OuterSync:
                                        exact_offsets=group._replicated_in_shard(key[1], self.buckets[key]))
                 spread, size = spread + s, size + n
                 self._scatter(key, flat, lambda p: p)
+        spread, size = float(spread), float(size)
         self.last_drift = math.sqrt(spread / size) if size > 0 else 0.0
 
     @torch.no_grad()

@@ -38,7 +38,7 @@ def _worker(rank, port, queue):
         mean = torch.stack([d.double() for d in deltas]).mean(0)
         ref_buf = mu * ref_buf + mean
         ref_anchor = ref_anchor - lr * (mean + mu * ref_buf)
-        spread, size = outer.sync("u", local)
+        spread, size = map(float, outer.sync("u", local))
         worst = max(worst, float((local.double() - ref_anchor).abs().max()))
         copies = [torch.zeros(N) for _ in range(3)]
         dist.all_gather(copies, local)

@@ -125,8 +125,9 @@ class Running:
 
 
 def start_job(workdir, nproc: int, args: Sequence[str], faults: Sequence[str] = (),
-              probe: bool = True) -> Running:
-    """torchrun --nproc_per_node nproc [fault_probe.py --fault ...] | pretrain_gpt.py args."""
+              probe: bool = True, extra_env: Optional[Dict[str, str]] = None) -> Running:
+    """torchrun --nproc_per_node nproc [fault_probe.py --fault ...] | pretrain_gpt.py args;
+    ``extra_env`` is added to the ranks' environment."""
     workdir = str(workdir)
     os.makedirs(workdir, exist_ok=True)
     job_id = uuid.uuid4().hex
@@ -136,7 +137,7 @@ def start_job(workdir, nproc: int, args: Sequence[str], faults: Sequence[str] = 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *script,
            *[str(a) for a in args]]
-    e = env()
+    e = env(extra_env)
     e[JOB_ENV] = job_id
     n = len([f for f in os.listdir(workdir) if f.startswith("job") and f.endswith(".out")])
     files = (open(os.path.join(workdir, f"job{n}.out"), "w"), open(os.path.join(workdir, f"job{n}.err"), "w"))
@@ -146,8 +147,8 @@ def start_job(workdir, nproc: int, args: Sequence[str], faults: Sequence[str] = 
 
 
 def run_job(workdir, nproc: int, args: Sequence[str], faults: Sequence[str] = (),
-            probe: bool = True, timeout: float = 300) -> Job:
-    return start_job(workdir, nproc, args, faults, probe).finish(timeout)
+            probe: bool = True, timeout: float = 300, extra_env: Optional[Dict[str, str]] = None) -> Job:
+    return start_job(workdir, nproc, args, faults, probe, extra_env).finish(timeout)
 
 
 def job_processes(job_id: str) -> List[int]:
