@@ -44,7 +44,7 @@ class OuterSync:
         self.inter = first.inter_distributed_optimizer_instance_group
         self.outer = OuterOptimizer(ctrl.config.outer_lr, ctrl.config.outer_momentum, self.inter)
         self.instances = self.outer.instances
-        # (unit, bucket index) -> [(shard main param, model param, offset in the rank's shard)]
+        # (unit, bucket index) -> [(shard main param, its offset in the rank's shard of the bucket)]
         self.segments: Dict[Tuple[int, int], List] = {}
         self.buckets: Dict[Tuple[int, int], object] = {}
         rank, size = self.intra.rank(), self.intra.size()
@@ -54,7 +54,7 @@ class OuterSync:
             i = optimizer._bucket_index_in_group(ctrl, unit, bucket)
             world = optimizer._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
             shard_len = bucket.param_data.numel() // size
-            self.segments.setdefault((unit, i), []).append((shard, model_param, world.start - rank * shard_len))
+            self.segments.setdefault((unit, i), []).append((shard, world.start - rank * shard_len))
         mine = {id(b) for buf in optimizer.buffers for b in buf.buckets}
         for unit in units:
             for i, b in enumerate(unit.group.buckets):
@@ -70,12 +70,12 @@ class OuterSync:
         """This rank's shard of bucket ``key`` as one fp32 vector, from get(main param)."""
         bucket = self.buckets[key]
         flat = torch.zeros(self._shard_len(key), dtype=torch.float32, device=bucket.param_data.device)
-        for shard, _, offset in self.segments.get(key, []):
+        for shard, offset in self.segments.get(key, []):
             flat[offset:offset + shard.numel()].copy_(get(shard).view(-1))
         return flat
 
     def _scatter(self, key, flat: torch.Tensor, get) -> None:
-        for shard, _, offset in self.segments.get(key, []):
+        for shard, offset in self.segments.get(key, []):
             get(shard).view(-1).copy_(flat[offset:offset + shard.numel()])
 
     def _keys(self, units) -> List[Tuple[int, int]]:
@@ -161,7 +161,7 @@ class OuterSync:
             flat = bucket.param_data.view(-1)
             shard_len = self._shard_len(key)
             rank = self.intra.rank()
-            for shard, _, offset in self.segments.get(key, []):
+            for shard, offset in self.segments.get(key, []):
                 start = rank * shard_len + offset
                 flat[start:start + shard.numel()].copy_(shard.view(-1))
             dist.all_gather_into_tensor(flat, flat[rank * shard_len:(rank + 1) * shard_len].clone(),
