@@ -381,14 +381,11 @@ class GRPOController(ControllerState, ControllerReport):
         pinned to core (its copies on two pipeline stages are synced exactly every step)."""
         return self.tiered and self.outer.periodic(self.tiers[index]) and not self.units[index].pinned
 
-    def instances_agree(self) -> bool:
-        """Are all instances' copies meant to be identical after this step? Not while a periodic
-        tier holding units of the replica is between syncs."""
-        if not self.outer.active or not self.tiered:
-            return True
-        live = {t for t, pinned in zip(self.replica_tiers, self.replica_pinned)
-                if not pinned and self.outer.periodic(t)}
-        return live <= set(self.outer_synced)
+    def params_between_syncs(self) -> set:
+        """Ids of this rank's parameters whose instances may differ after this step: those of
+        periodic units whose tier did not sync at it (the same set on every data-parallel rank)."""
+        return {id(p) for u in self.units if self.unit_periodic(u.index)
+                and self.tiers[u.index] not in self.outer_synced for p in u.params}
 
     def unit_compressor(self, index: int):
         """The compressor of the unit's gradient and parameter sync this step, or None for an

@@ -37,9 +37,10 @@ class RunHooks:
     """Extra state that differs per rank, stored in the rank's own checkpoint file."""
     load_rank_state: Callable = lambda state: None
     """Restores what rank_state returned."""
-    weight_check_scope: Callable = lambda: "dp"
-    """Which data-parallel copies must be identical after this step: "dp" (all of them) or
-    "instance" (inside each distributed-optimizer instance: GRPO's periodic tiers between syncs)."""
+    params_between_syncs: Callable = lambda: set()
+    """Ids of parameters whose data-parallel copies are identical only inside each
+    distributed-optimizer instance after this step (GRPO's periodic tiers between syncs); the
+    weight check compares all the others across every data-parallel copy."""
     before_save: Callable = lambda: None
     """Called before each checkpoint is written (offloaded state comes back to be saved)."""
     finish: Callable = lambda: None

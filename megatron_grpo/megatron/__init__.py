@@ -129,7 +129,7 @@ def grpo_hooks(cfg):
         load_state=load_state,
         rank_state=rank_state,
         load_rank_state=load_rank_state,
-        weight_check_scope=lambda: "dp" if state["ctrl"].instances_agree() else "instance",
+        params_between_syncs=lambda: state["ctrl"].params_between_syncs(),
         before_save=before_save,
         finish=finish,
     )

@@ -33,7 +33,7 @@ Design (why it scales to GPU runs):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -83,7 +83,8 @@ class WeightHashResult:
     ok: bool
     mismatches: List[Mismatch] = field(default_factory=list)
     checked: Dict[str, int] = field(default_factory=dict)
-    """Parameters this rank compared per group ('dp'/'tp'/'pp'); 0 where the group has 1 rank."""
+    """Parameters this rank compared per group ('dp'/'tp'/'pp'); 0 where the group has 1 rank.
+    'dp_instance_only': how many of the dp ones only inside the distributed-optimizer instance."""
 
     @property
     def groups(self) -> List[str]:
@@ -218,12 +219,13 @@ def _compare(kind: str, names: List[str], rows: torch.Tensor, group) -> List[Mis
     return found
 
 
-def check_weight_hashes(ddp_model_chunks, dp_scope: str = "dp") -> WeightHashResult:
+def check_weight_hashes(ddp_model_chunks, local_params: Optional[Set] = None) -> WeightHashResult:
     """Compare every parameter across the dp group, replicated ones across the tp group and the
     tied word embedding across the embedding group. Collective: call on every rank.
-    ``dp_scope`` "instance": compare dp copies inside each distributed-optimizer instance only
-    (megatron's partial data-parallel group), for a step after which GRPO's periodic tiers are
-    between syncs and the instances are meant to differ; every rank must pass the same scope."""
+    ``local_params`` (ids of parameters): their dp copies are compared inside each
+    distributed-optimizer instance only (megatron's partial data-parallel group), for GRPO's
+    periodic tiers between syncs, when the instances are meant to differ. Every rank of a dp
+    group must pass the same set (it depends only on the replica's tier plan)."""
     from megatron.core import parallel_state as ps
 
     from megatron_grpo.comm.wire import wire_counter
@@ -250,12 +252,19 @@ def check_weight_hashes(ddp_model_chunks, dp_scope: str = "dp") -> WeightHashRes
 
         # dp: all parameters. Expert (MoE) parameters, allreduce=False, are replicated over the
         # expert data-parallel group instead; none exist in this project's models.
-        dp_group = ps.get_data_parallel_group(with_context_parallel=True,
-                                              partial_data_parallel=dp_scope == "instance")
+        dp_group = ps.get_data_parallel_group(with_context_parallel=True)
+        local = local_params or set()
         dp_idx = [i for i, (_, p) in enumerate(named) if getattr(p, "allreduce", True)]
-        if dist.get_world_size(dp_group) > 1 and dp_idx:
-            found += _compare("dp", [names[i] for i in dp_idx], digests[dp_idx], dp_group)
-            checked["dp"] = len(dp_idx)
+        everywhere = [i for i in dp_idx if id(named[i][1]) not in local]
+        if dist.get_world_size(dp_group) > 1 and everywhere:
+            found += _compare("dp", [names[i] for i in everywhere], digests[everywhere], dp_group)
+        inside = [i for i in dp_idx if id(named[i][1]) in local]
+        if inside:  # the same on every rank of the dp group (one tier plan)
+            group = ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
+            if dist.get_world_size(group) > 1:
+                found += _compare("dp", [names[i] for i in inside], digests[inside], group)
+        checked["dp"] = len(dp_idx) if dist.get_world_size(dp_group) > 1 else 0
+        checked["dp_instance_only"] = len(inside)
 
         # tp: parameters that tensor parallelism does not split.
         tp_group = ps.get_tensor_model_parallel_group()

@@ -292,11 +292,11 @@ def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption) -> RunSu
         if budget is not None:
             record.update(budget.metrics())
         if weight_check.check_due(hash_interval, iteration):
-            scope = hooks.weight_check_scope()
-            hashes = weight_check.check_weight_hashes(built.ddp_model, scope)  # tagged "weight_check"
-            counter.reset()  # its traffic is no step's traffic
+            hashes = weight_check.check_weight_hashes(built.ddp_model, hooks.params_between_syncs())
+            counter.reset()  # its traffic is no step's traffic (tagged "weight_check")
             record["weight_hash_ok"] = hashes.ok
-            record["weight_hash_scope"] = scope
+            # Parameters compared only inside each instance (periodic tiers between syncs).
+            record["weight_hash_instance_only"] = hashes.checked.get("dp_instance_only", 0)
             if not hashes.ok:  # log the failing record, then stop on every rank (no save)
                 if writer:
                     logger.log(record)
