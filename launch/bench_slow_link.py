@@ -77,7 +77,13 @@ INTERNODE = [("baseline", PER_NODE), ("grpo-flat", ["--grpo"]), ("grpo-hier", ["
 def contenders(args):
     """(name, flags) of each job per rate; the first is the baseline."""
     if args.internode:
-        return INTERNODE
+        chosen = [c for c in INTERNODE if c[0] == "baseline" or not args.contenders
+                  or c[0] in args.contenders]
+        unknown = set(args.contenders or []) - {c[0] for c in INTERNODE}
+        if unknown:
+            raise SystemExit(f"--contenders: no contender {', '.join(sorted(unknown))}; "
+                             f"--internode has {', '.join(c[0] for c in INTERNODE)}")
+        return chosen
     return [("baseline", []), ("grpo", GRPO_FLAGS)]
 
 
@@ -183,11 +189,14 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.path.join(REPO, "runs", "slow_link"))
     p.add_argument("--internode", action="store_true", help="issue 12's contenders: megatron with one "
                    "distributed-optimizer instance per node, GRPO per-step and periodic between nodes")
+    p.add_argument("--contenders", nargs="+", default=None,
+                   help="with --internode: the baseline and these only (default all)")
     p.add_argument("--nproc-per-node", type=int, default=None,
                    help="ranks per node (default 1; 2 with --internode)")
     args = p.parse_args(argv)
     if args.nproc_per_node is None:
         args.nproc_per_node = 2 if args.internode else 1
+    contenders(args)  # refuses an unknown --contenders name before any cluster is built
     rates = args.rate or ["200mbit", "50mbit"]
     for rate in rates:
         rate_bits(rate)
