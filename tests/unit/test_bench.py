@@ -317,7 +317,9 @@ def test_internode_suite_runs_four_ranks_as_two_nodes_and_reads_the_inter_node_b
     from megatron_grpo.bench import __main__ as cli
 
     seen = []
-    inter = {"baseline": 600, "megatron-flat": 1800, "grpo-flat": 280, "grpo-hier": 90}
+    inter = {"baseline": 600, "megatron-flat": 1800, "grpo-flat": 280, "grpo-hier": 90,
+             "grpo-periodic": 36, "grpo-periodic-h10": 42, "grpo-periodic-nesterov": 36,
+             "grpo-periodic-core10": 9, "grpo-periodic-c4h10": 18, "grpo-source": 6}
 
     def fake_run(self, name, c, extra=(), env=None):
         seen.append((name, self.spec.nproc, dict(self.spec.env)))
@@ -330,10 +332,10 @@ def test_internode_suite_runs_four_ranks_as_two_nodes_and_reads_the_inter_node_b
     monkeypatch.setattr(runner.Runner, "run", fake_run)
     monkeypatch.setattr(cli, "ensure_data", lambda path: None)
     assert cli.main(["internode", "--out", str(tmp_path / "o")]) == 0
-    assert [n for n, _, _ in seen] == ["baseline-s1234", "megatron-flat-s1234", "grpo-flat-s1234",
-                                       "grpo-hier-s1234"]
+    assert [n for n, _, _ in seen] == [f"{c}-s1234" for c in inter]  # the suite's order
     assert {(p, e["MEGATRON_GRPO_RANKS_PER_NODE"]) for _, p, e in seen} == {(4, "2")}
     saved = json.loads((tmp_path / "o" / "internode" / "internode.json").read_text())
     rows = {r[0]: r for r in saved["rows"]}
     assert rows["grpo-hier"][2] == "0.150"  # 90 / 600 after warm-up
     assert rows["megatron-flat"][2] == "3.000"
+    assert rows["grpo-periodic-core10"][2] == "0.015" and rows["grpo-source"][2] == "0.010"
