@@ -84,7 +84,8 @@ class WeightHashResult:
     mismatches: List[Mismatch] = field(default_factory=list)
     checked: Dict[str, int] = field(default_factory=dict)
     """Parameters this rank compared per group ('dp'/'tp'/'pp'); 0 where the group has 1 rank.
-    'dp_instance_only': how many of the dp ones only inside the distributed-optimizer instance."""
+    'dp_instance_only' (only when some): how many of the dp ones were compared only inside the
+    distributed-optimizer instance."""
 
     @property
     def groups(self) -> List[str]:
@@ -264,7 +265,8 @@ def check_weight_hashes(ddp_model_chunks, local_params: Optional[Set] = None) ->
             if dist.get_world_size(group) > 1:
                 found += _compare("dp", [names[i] for i in inside], digests[inside], group)
         checked["dp"] = len(dp_idx) if dist.get_world_size(dp_group) > 1 else 0
-        checked["dp_instance_only"] = len(inside)
+        if inside:
+            checked["dp_instance_only"] = len(inside)
 
         # tp: parameters that tensor parallelism does not split.
         tp_group = ps.get_tensor_model_parallel_group()
