@@ -20,7 +20,8 @@ The layouts (one pipeline stage; the counter's link classes, megatron_grpo.comm.
 
 Not counted: GRPO's control traffic (importance and health all-reduces, a few hundred bytes),
 logging scalars, the exact sync at the run's last iteration, and the Adam moments of units that
-leave a periodic tier at a re-tier (two exact all-reduces of their shards, once). tests/multiproc/test_hierarchy.py checks these figures against counted
+leave a periodic tier at a re-tier (two exact all-reduces of their shards, once).
+tests/multiproc/test_hierarchy.py and test_periodic.py check these figures against counted
 bytes of real runs.
 """
 
