@@ -517,17 +517,6 @@ class GRPOController(ControllerState, ControllerReport):
             for line in event["moves"][:20]:
                 print(f"[grpo]   {line}", flush=True)
 
-    def _replica_names(self) -> List[str]:
-        """Names for the re-tier log: this stage's units by name, other stages' by position."""
-        names = []
-        for stage, count in enumerate(self.layout.stage_counts):
-            for i in range(count):
-                if stage == self.layout.stage:
-                    names.append(self.units[i].name)
-                else:
-                    names.append(f"stage {stage} unit {i}")
-        return names
-
     def _apply_freezing(self) -> None:
         """Frozen stable units skip weight-gradient compute: megatron's linear layers take the
         frozen-weight path when ``requires_grad`` is False, and autograd skips the rest."""

@@ -1,12 +1,23 @@
-"""Reporting of the GRPO controller: tier shares and the per-step metrics record. A mixin of
-GRPOController (megatron_grpo.controller), which owns the attributes."""
+"""Reporting of the GRPO controller: tier shares, unit names for the re-tier log and the per-step
+metrics record. A mixin of GRPOController (megatron_grpo.controller), which owns the attributes."""
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, List
 
 
 class ControllerReport:
+    def _replica_names(self) -> List[str]:
+        """Names for the re-tier log: this stage's units by name, other stages' by position."""
+        names = []
+        for stage, count in enumerate(self.layout.stage_counts):
+            for i in range(count):
+                if stage == self.layout.stage:
+                    names.append(self.units[i].name)
+                else:
+                    names.append(f"stage {stage} unit {i}")
+        return names
+
     def shares(self) -> Dict[str, float]:
         """Share of the replica's gradient elements in each tier."""
         total = sum(self.replica_numels) or 1
