@@ -12,13 +12,13 @@ bytes one data-parallel rank sends per step under the ring model of ``comm/wire.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_grpo.comm.analytic import baseline_step_bytes, ddp_bucket_numels, gpt_param_numels
 from megatron_grpo.comm.compress import build_compressor
 from megatron_grpo.config import TIERS, GRPOConfig
-
-GB = 10 ** 9
+# The renderings (launch/plan.py, docs/planner.md) live in their own file, re-exported here.
+from megatron_grpo.planner_format import GB, format_plan, format_table  # noqa: F401
 
 
 @dataclass
@@ -196,9 +196,17 @@ class Memory:
     activations: int
     """Tensors saved for backward of all in-flight micro-batches (formula: docs/planner.md)."""
     error_feedback: int = 0
-    """GRPO: fp32 residual per dynamic-tier element, on every DP rank."""
+    """GRPO: fp32 residuals of the tiers compressed every step. One instance: one per element
+    of those units, on every DP rank. Several instances: only the inter-instance stage
+    compresses, so one per element of this rank's shard, padded to a multiple of the instances
+    (megatron_grpo/comm/hierarchical.py)."""
     delayed_accumulators: int = 0
     """GRPO --grpo-stable-mode delayed: fp32 gradient accumulator per stable-tier element."""
+    outer_state: int = 0
+    """GRPO periodic tiers (instances > 1): per element of this rank's shard of a periodic unit,
+    the fp32 anchor of the last sync, the outer momentum (--grpo-outer-momentum > 0) and, when
+    the tier's deltas are compressed, their residual padded like error_feedback's
+    (megatron_grpo/comm/outer.py)."""
     offloaded: int = 0
     """Bytes of this rank's state on host/SSD at the step's peak (--grpo-offload): with
     streaming, the fp32 masters and Adam moments of the dynamic and stable units, less the two
@@ -215,7 +223,8 @@ class Memory:
     @property
     def model_state(self) -> int:
         return (self.params + self.grads + self.master_params + self.optimizer_moments
-                + self.error_feedback + self.delayed_accumulators - self.offloaded)
+                + self.error_feedback + self.delayed_accumulators + self.outer_state
+                - self.offloaded)
 
     @property
     def total(self) -> int:
@@ -340,16 +349,35 @@ def parse_tiers(tiers: Sequence[str], n_units: int) -> List[str]:
 
 def _memory(model: ModelSpec, cluster: ClusterSpec, buckets: List[int], unpadded: int,
             activations: int, separate_fp32_master: bool, ef_elements: float = 0.0,
-            accum_elements: float = 0.0) -> Memory:
-    padded, dp = sum(buckets), cluster.dp
+            accum_elements: float = 0.0, outer_elements: float = 0.0) -> Memory:
+    padded = sum(buckets)
     # The distributed optimizer keeps state only for real parameter elements of this rank's
-    # shard; averaged over ranks that is unpadded / dp (a rank differs by at most its padding).
-    shard = unpadded / dp
+    # shard; averaged over ranks that is unpadded / (ranks of one instance): megatron's partial
+    # distributed optimizer shards inside an instance and replicates the state across instances
+    # (a rank differs from the average by at most its padding).
+    shard = unpadded / (cluster.dp // cluster.instances)
     master = 4 * shard if (model.bf16 or separate_fp32_master) else 0
     return Memory(params=padded * model.param_bytes, grads=padded * 4,
                   master_params=round(master), optimizer_moments=round(8 * shard),
                   activations=activations, error_feedback=round(4 * ef_elements),
-                  delayed_accumulators=round(4 * accum_elements))
+                  delayed_accumulators=round(4 * accum_elements),
+                  outer_state=round(4 * outer_elements))
+
+
+def _instance_state(units: List[int], tiers: Optional[List[str]], grpo: GRPOConfig, dp: int,
+                    instances: int, compressing: Sequence[str]) -> Tuple[float, float]:
+    """(error-feedback elements, outer-state elements) of one rank with instances > 1.
+    ``compressing``: the tiers compressed between instances (per step, or their deltas)."""
+    intra = dp // instances
+    shard = _tier_elements([n // intra for n in units], tiers, grpo)
+    # The inter-instance stage pads a shard to one row per instance (comm/hierarchical.py).
+    rows = _tier_elements([-(-(n // intra) // instances) * instances for n in units], tiers, grpo)
+    local = {t for t in ("core", "dynamic") if grpo.sync_interval(t) > 1}
+    local |= {"stable"} if grpo.stable_mode == "local" else set()
+    ef = sum(rows[t] for t in compressing if t not in local)
+    per_anchor = 2 if grpo.outer_momentum > 0 else 1  # anchor (+ momentum)
+    outer = sum(per_anchor * shard[t] + (rows[t] if t in compressing else 0.0) for t in local)
+    return ef, outer
 
 
 def _place(g: Memory, units: List[int], elements: Dict[str, float], shard: float, dp: int,
@@ -398,6 +426,8 @@ def plan(model: ModelSpec, cluster: ClusterSpec, grpo: GRPOConfig,
     cluster.validate(model)
     grpo.validate()
     dp, pb, pp = cluster.dp, model.param_bytes, cluster.pp
+    inst = cluster.instances
+    intra = dp // inst  # ranks that shard the optimizer (one instance)
     if stage is not None and not (isinstance(stage, int) and 0 <= stage < pp):
         raise ValueError(f"stage must be an integer in [0, {pp - 1}], got {stage!r}")
     if tiers is not None and stage is None:
@@ -429,15 +459,22 @@ def plan(model: ModelSpec, cluster: ClusterSpec, grpo: GRPOConfig,
 
     def stage_memory(entry, share_tiers: Optional[List[str]]):
         st, numels, base, units, act = entry
+        if inst > 1:  # megatron pads each bucket for the ranks of one instance
+            base = ddp_bucket_numels(numels, default_bucket if st == 0 else None, intra)
+            units = ddp_bucket_numels(numels, grpo.bucket_elements, intra)
         baseline = _memory(model, cluster, base, sum(numels), act, separate_fp32_master=False)
         elements = _tier_elements(units, share_tiers, grpo)
         accum = elements["stable"] if grpo.stable_mode == "delayed" else 0.0
+        compressing = ["dynamic"] + (["core"] if core_compressor else []) + \
+            (["stable"] if stable_compressor or (grpo.stable_mode == "local" and inst > 1) else [])
+        if inst > 1:
+            ef, outer = _instance_state(units, share_tiers, grpo, dp, inst, compressing)
+        else:
+            ef, outer = (sum(elements[t] for t in compressing) if dp > 1 else 0.0), 0.0
         g = _memory(model, cluster, units, sum(numels), act, separate_fp32_master=True,
-                    ef_elements=(elements["dynamic"] + (elements["core"] if core_compressor else 0.0)
-                                 + (elements["stable"] if stable_compressor else 0.0)
-                                 if dp > 1 else 0.0), accum_elements=accum)
+                    ef_elements=ef, accum_elements=accum, outer_elements=outer)
         if offload is not None and offload.target != "none":
-            _place(g, units, elements, sum(numels) / dp, dp, offload.stream,
+            _place(g, units, elements, sum(numels) / intra, intra, offload.stream,
                    offload.residuals and grpo.compressor != "powersgd",
                    stable_every_step=stable_compressor is not None)
         return baseline, g
@@ -484,85 +521,3 @@ def _tier_elements(units: List[int], tiers: Optional[List[str]],
     total = sum(units)
     return {"core": grpo.core_share * total, "dynamic": grpo.dynamic_share * total,
             "stable": grpo.stable_share * total}
-
-
-# ---------------------------------------------------------------------------------- output
-def _gb(nbytes: float) -> str:
-    return f"{nbytes / GB:.2f}"
-
-
-def format_plan(p: Plan, name: str = "") -> str:
-    """A plain-text breakdown, baseline beside GRPO (what launch/plan.py prints)."""
-    m, c = p.model, p.cluster
-    # GB for cluster-sized models; MB (10^6) so that small CPU models do not print 0.00.
-    unit, scale = ("GB", GB) if p.baseline_memory.total >= GB else ("MB", 10 ** 6)
-
-    def fmt(nbytes: float) -> str:
-        return f"{nbytes / scale:.2f}"
-
-    ring = "inter-node links" if c.dp_spans_nodes else "NVLink"
-    style = ", ".join(x for x, on in ((f"{m.groups} query groups", m.groups != m.heads),
-                                      ("SwiGLU", m.swiglu), ("RMSNorm", m.rmsnorm), ("RoPE", m.rope),
-                                      ("no biases", not m.bias_linear)) if on)
-    lines = [f"{name or 'model'}: {m.num_layers} layers, hidden {m.hidden}, {m.heads} heads, "
-             f"{style + ', ' if style else ''}ffn {m.ffn}, vocab {m.vocab} (padded {m.padded_vocab(c.tp)}), seq {m.seq_length}, "
-             f"micro-batch {m.micro_batch_size}, {'bf16' if m.bf16 else 'fp32'}, "
-             f"{'flash' if m.flash_attention else 'unfused'} attention",
-             f"cluster: {c.nodes} x {c.gpus_per_node} GPUs, {c.gpu_memory_gb:g} GB each, "
-             f"TP {c.tp} x PP {c.pp} x DP {c.dp}; DP ring over {ring} at {c.dp_link_gbps:g} Gb/s per GPU",
-             f"{'memory per GPU, ' + unit + ' (pipeline stage ' + str(p.memory_stage) + '):':<42}"
-             f"{'baseline':>10}{'GRPO':>10}"]
-    rows = [("parameters", "params"), ("gradients (fp32)", "grads"),
-            ("fp32 master params", "master_params"), ("Adam moments", "optimizer_moments"),
-            ("activations", "activations"),
-            ("error feedback", "error_feedback"), ("delayed accumulators", "delayed_accumulators"),
-            ("offloaded at the peak (--grpo-offload)", "offloaded"),
-            ("  also away between stable updates", "offloaded_between_updates"),
-            ("model state", "model_state"), ("total", "total")]
-    for label, attr in rows:
-        lines.append(f"  {label:<40}{fmt(getattr(p.baseline_memory, attr)):>10}"
-                     f"{fmt(getattr(p.grpo_memory, attr)):>10}")
-    fits = ["yes" if p.fits(x) else "NO" for x in (p.baseline_memory, p.grpo_memory)]
-    lines.append(f"  {'fits in ' + format(c.gpu_memory_gb, 'g') + ' GB':<40}{fits[0]:>10}{fits[1]:>10}")
-    t = p.grpo_traffic
-    total = sum(p.tier_elements.values()) or 1.0
-    shares = ", ".join(f"{k} {v / total:.1%}" for k, v in p.tier_elements.items())
-    lines += [f"DP traffic per rank per step, {unit} (pipeline stage {p.traffic_stage}; "
-              f"{len(p.baseline_buckets)} baseline buckets, {len(p.units)} GRPO units; tiers "
-              f"{'as given' if p.tiers else 'at quota'}: {shares})",
-              f"  baseline: {fmt(p.baseline_bytes)} (reduce-scatter {fmt(p.baseline_grad_bytes)} + "
-              f"all-gather {fmt(p.baseline_param_bytes)}), wire {p.baseline_wire_s * 1e3:.3g} ms",
-              f"  GRPO:     {fmt(p.grpo_bytes)} (core {fmt(t.core)} + dynamic {fmt(t.dynamic)} + "
-              f"stable {fmt(t.stable_update)}/{t.stable_interval}), wire {p.grpo_wire_s * 1e3:.3g} ms, "
-              f"ratio {p.ratio:.3f}; warm-up steps {fmt(p.grpo_warmup_bytes)}"]
-    return "\n".join(lines)
-
-
-def format_table(plans: Sequence[Plan], names: Optional[Sequence[str]] = None) -> str:
-    """Markdown tables (memory, then traffic) with one row per plan, for docs/planner.md."""
-    if names is None:
-        names = [f"{p.model.num_layers}L-{p.model.hidden}h" for p in plans]
-    names = list(names)
-    if len(names) != len(plans):
-        raise ValueError(f"names must have one entry per plan ({len(plans)}), got {len(names)}")
-    out = ["| preset (GB per GPU) | GPUs (nodes x per node) | TP x PP x DP | params | grads | "
-           "master + Adam, base / GRPO | activations | EF (GRPO) | total, base / GRPO | "
-           "fits, base / GRPO |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
-    for name, p in zip(names, plans):
-        c, b, g = p.cluster, p.baseline_memory, p.grpo_memory
-        fit = "/".join("yes" if p.fits(x) else "no" for x in (b, g))
-        out.append(f"| {name} | {c.world} ({c.nodes} x {c.gpus_per_node}) | {c.tp} x {c.pp} x {c.dp} "
-                   f"| {_gb(b.params)} | {_gb(b.grads)} | {_gb(b.optimizer)} / {_gb(g.optimizer)} "
-                   f"| {_gb(b.activations)} | {_gb(g.error_feedback)} | {_gb(b.total)} / {_gb(g.total)} "
-                   f"| {fit} |")
-    out += ["", "| preset (per DP rank) | DP link, Gb/s per GPU | baseline GB/step | GRPO GB/step "
-            "(core + dynamic + stable avg) | ratio | wire time base / GRPO, ms |",
-            "|---|---|---|---|---|---|"]
-    for name, p in zip(names, plans):
-        t = p.grpo_traffic
-        out.append(f"| {name} | {p.cluster.dp_link_gbps:g} | {_gb(p.baseline_bytes)} "
-                   f"| {_gb(p.grpo_bytes)} ({_gb(t.core)} + {_gb(t.dynamic)} + "
-                   f"{_gb(t.stable_average)}) | {p.ratio:.3f} | "
-                   f"{p.baseline_wire_s * 1e3:.0f} / {p.grpo_wire_s * 1e3:.0f} |")
-    return "\n".join(out)

@@ -45,6 +45,10 @@ CONTENDERS = [
     Contender("grpo-periodic-c4h10", ["--grpo", *HIER, *PERIODIC, "--grpo-core-sync-interval", "4",
                                       "--grpo-dynamic-sync-interval", "10"],
               "core int8 deltas every 4 steps, dynamic int4 deltas every 10"),
+    Contender("grpo-periodic-i4h10", ["--grpo", *HIER, *PERIODIC, "--grpo-dynamic-sync-interval", "10",
+                                      "--grpo-core-compressor", "int4"],
+              "core int4 every step (error feedback), dynamic int4 deltas every 10: the core stays "
+              "synchronous at half grpo-periodic-h10's core bytes"),
     Contender("grpo-source", ["--grpo", *HIER, "--grpo-internode-preset", "source"],
               "the source's 100/50/200 preset: core exact every 100, dynamic int4 every 50, "
               "stable (20 %, local) every 200, re-tier every 200"),

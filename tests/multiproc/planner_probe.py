@@ -6,7 +6,8 @@ Measured on every rank, from the actual tensors (not from formulas):
 * model-state bytes after the last step: megatron DDP buffers (param_data, grad_data), the
   torch optimizer's exp_avg/exp_avg_sq, fp32 master params that have their own storage (not a
   view of a DDP buffer), GRPO error-feedback residuals and delayed accumulators;
-* per iteration: the tier map and error-feedback bytes (GRPO);
+* per iteration: the tier map, error-feedback bytes and, with periodic tiers, the outer
+  optimizer's state bytes (anchors, momentum, delta residuals) (GRPO);
 * activations: bytes of the distinct non-parameter storages autograd saves for backward during
   one training-mode forward of one micro-batch (``torch.autograd.graph.saved_tensors_hooks``).
 Rank 0 writes everything (gathered from all ranks) to OUT.json.
@@ -24,11 +25,21 @@ def _ptr(t) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def model_state_bytes(built, ctrl) -> dict:
+def outer_state_bytes(outer_sync) -> int:
+    """Bytes of the periodic tiers' outer state (megatron_grpo/comm/outer.py), 0 without it."""
+    if outer_sync is None:
+        return 0
+    o = outer_sync.outer
+    return (sum(t.numel() * t.element_size() for d in (o.anchor, o.momentum) for t in d.values())
+            + o.ef.nbytes())
+
+
+def model_state_bytes(built, ctrl, outer_sync=None) -> dict:
     from megatron_grpo.training.model import optimizer_list
 
     out = dict(params=0, grads=0, master_params=0, optimizer_moments=0, error_feedback=0,
-               delayed_accumulators=0, params_outside_buffers=0)
+               delayed_accumulators=0, outer_state=outer_state_bytes(outer_sync),
+               params_outside_buffers=0)
     buffer_ptrs = set()
     for chunk in built.ddp_model:
         for buf in chunk.buffers + chunk.expert_parallel_buffers:
@@ -102,7 +113,7 @@ def main():
     out_path, argv = sys.argv[1], sys.argv[2:]
     cfg = parse_args(argv, world_size=int(os.environ["WORLD_SIZE"]))
     hooks = grpo_hooks(cfg) if cfg.grpo.enabled else RunHooks()
-    probe = {"ctrl": None, "steps": []}
+    probe = {"ctrl": None, "outer": None, "steps": []}
     base_after_build, base_after = hooks.after_build, hooks.after_step
 
     def after_build(built):
@@ -110,18 +121,20 @@ def main():
         probe["built"] = built
         opts = grpo_optimizers(built.optimizer)
         probe["ctrl"] = opts[0].grpo if opts else None
+        probe["outer"] = getattr(opts[0], "outer_sync", None) if opts else None
 
     def after_step(iteration):
         base_after(iteration)
         ctrl = probe["ctrl"]
         if ctrl is not None:
             probe["steps"].append(dict(iteration=iteration, ef_bytes=ctrl.ef.nbytes(),
+                                       outer_bytes=outer_state_bytes(probe["outer"]),
                                        tiers="".join(t[0] for t in ctrl.tiers)))
 
     hooks.after_build, hooks.after_step = after_build, after_step
     run(cfg, hooks)
     built, ctrl = probe["built"], probe["ctrl"]
-    record = dict(rank=dist.get_rank(), state=model_state_bytes(built, ctrl), steps=probe["steps"],
+    record = dict(rank=dist.get_rank(), state=model_state_bytes(built, ctrl, probe["outer"]), steps=probe["steps"],
                   units=[u.numel for u in ctrl.units] if ctrl is not None else [],
                   activations=saved_activation_bytes(built, cfg))
     gathered = [None] * dist.get_world_size()
