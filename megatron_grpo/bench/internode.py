@@ -49,6 +49,14 @@ CONTENDERS = [
                                       "--grpo-core-compressor", "int4"],
               "core int4 every step (error feedback), dynamic int4 deltas every 10: the core stays "
               "synchronous at half grpo-periodic-h10's core bytes"),
+    Contender("grpo-periodic-i4h4", ["--grpo", *HIER, *PERIODIC, "--grpo-dynamic-sync-interval", "4",
+                                     "--grpo-core-compressor", "int4"],
+              "as grpo-periodic-i4h10 with the dynamic deltas every 4 steps: how much of the "
+              "local-update gap the period decides, near the 0.05x byte budget"),
+    Contender("grpo-periodic-i4h10-d8", ["--grpo", *HIER, *PERIODIC, "--grpo-dynamic-sync-interval", "10",
+                                         "--grpo-core-compressor", "int4", "--grpo-compressor", "int8"],
+              "as grpo-periodic-i4h10 with int8 deltas: how much of the gap the deltas' "
+              "quantisation decides"),
     Contender("grpo-source", ["--grpo", *HIER, "--grpo-internode-preset", "source"],
               "the source's 100/50/200 preset: core exact every 100, dynamic int4 every 50, "
               "stable (20 %, local) every 200, re-tier every 200"),
