@@ -57,6 +57,10 @@ CONTENDERS = [
                                          "--grpo-core-compressor", "int4", "--grpo-compressor", "int8"],
               "as grpo-periodic-i4h10 with int8 deltas: how much of the gap the deltas' "
               "quantisation decides"),
+    Contender("grpo-periodic-i4h10-lr14", ["--grpo", *HIER, *PERIODIC, "--grpo-dynamic-sync-interval", "10",
+                                           "--grpo-core-compressor", "int4", "--grpo-outer-lr", "1.41"],
+              "as grpo-periodic-i4h10 with outer lr sqrt(2): does the mean of two half-batch "
+              "Adam steps move too little?"),
     Contender("grpo-source", ["--grpo", *HIER, "--grpo-internode-preset", "source"],
               "the source's 100/50/200 preset: core exact every 100, dynamic int4 every 50, "
               "stable (20 %, local) every 200, re-tier every 200"),

@@ -321,6 +321,7 @@ def test_internode_suite_runs_four_ranks_as_two_nodes_and_reads_the_inter_node_b
              "grpo-periodic": 36, "grpo-periodic-h10": 42, "grpo-periodic-nesterov": 36,
              "grpo-periodic-core10": 9, "grpo-periodic-c4h10": 18, "grpo-periodic-i4h10": 24,
              "grpo-periodic-i4h4": 30, "grpo-periodic-i4h10-d8": 27,
+             "grpo-periodic-i4h10-lr14": 24,
              "grpo-source": 6}
 
     def fake_run(self, name, c, extra=(), env=None):
