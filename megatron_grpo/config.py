@@ -145,9 +145,10 @@ class GRPOConfig:
     trains it locally inside each instance (exact sync there) and averages the instances'
     parameter deltas every H steps through the outer optimizer, compressed with --grpo-compressor
     and error feedback (local updates, as DiLoCo). Measured with core every 4 and dynamic every
-    10: 0.028x megatron hierarchical's inter-node bytes at +2.5 / +4.3 % validation loss
-    (tiny model, 1,000 steps, 2 seeds; per-step mode 0.154x at +0.7 / +1.0 %), so 1 stays
-    the default."""
+    10: 0.028x megatron hierarchical's inter-node bytes at +2.5 / +4.3 % validation loss; with
+    the core int4 every step and dynamic every 10, 0.040x at +3.3 / +2.9 % (int8 deltas: the
+    same); per-step mode 0.154x at +0.7 / +1.0 % (tiny model, 1,000 steps, 2 seeds), so 1
+    stays the default."""
     outer_lr: float = 1.0
     """Outer learning rate of the periodic tiers: at a sync each instance's shard becomes
     anchor - lr * (Nesterov step on the instances' mean delta, anchor - local). 1.0 with
