@@ -24,6 +24,14 @@ NODES = 2
 HIER = ["--num-distributed-optimizer-instances", str(NODES)]
 PERIODIC = ["--grpo-dynamic-sync-interval", "50", "--grpo-retier-interval", "200"]
 
+
+def _core_int4(dynamic_interval: int, *extra: str):
+    """Core int4 every step, the dynamic tier local with deltas every ``dynamic_interval``
+    (flag order kept: it is part of each run's reuse key)."""
+    return ["--grpo", *HIER, *PERIODIC, "--grpo-dynamic-sync-interval", str(dynamic_interval),
+            "--grpo-core-compressor", "int4", *extra]
+
+
 CONTENDERS = [
     Contender("baseline", HIER, "megatron, partial distributed optimizer, one instance per node: "
               "reduce-scatter and all-gather inside the node, all-reduce of the shards between nodes"),
@@ -45,20 +53,16 @@ CONTENDERS = [
     Contender("grpo-periodic-c4h10", ["--grpo", *HIER, *PERIODIC, "--grpo-core-sync-interval", "4",
                                       "--grpo-dynamic-sync-interval", "10"],
               "core int8 deltas every 4 steps, dynamic int4 deltas every 10"),
-    Contender("grpo-periodic-i4h10", ["--grpo", *HIER, *PERIODIC, "--grpo-dynamic-sync-interval", "10",
-                                      "--grpo-core-compressor", "int4"],
+    Contender("grpo-periodic-i4h10", _core_int4(10),
               "core int4 every step (error feedback), dynamic int4 deltas every 10: the core stays "
               "synchronous at half grpo-periodic-h10's core bytes"),
-    Contender("grpo-periodic-i4h4", ["--grpo", *HIER, *PERIODIC, "--grpo-dynamic-sync-interval", "4",
-                                     "--grpo-core-compressor", "int4"],
+    Contender("grpo-periodic-i4h4", _core_int4(4),
               "as grpo-periodic-i4h10 with the dynamic deltas every 4 steps: how much of the "
               "local-update gap the period decides, near the 0.05x byte budget"),
-    Contender("grpo-periodic-i4h10-d8", ["--grpo", *HIER, *PERIODIC, "--grpo-dynamic-sync-interval", "10",
-                                         "--grpo-core-compressor", "int4", "--grpo-compressor", "int8"],
+    Contender("grpo-periodic-i4h10-d8", _core_int4(10, "--grpo-compressor", "int8"),
               "as grpo-periodic-i4h10 with int8 deltas: how much of the gap the deltas' "
               "quantisation decides"),
-    Contender("grpo-periodic-i4h10-lr14", ["--grpo", *HIER, *PERIODIC, "--grpo-dynamic-sync-interval", "10",
-                                           "--grpo-core-compressor", "int4", "--grpo-outer-lr", "1.41"],
+    Contender("grpo-periodic-i4h10-lr14", _core_int4(10, "--grpo-outer-lr", "1.41"),
               "as grpo-periodic-i4h10 with outer lr sqrt(2): does the mean of two half-batch "
               "Adam steps move too little?"),
     Contender("grpo-source", ["--grpo", *HIER, "--grpo-internode-preset", "source"],
