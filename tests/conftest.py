@@ -38,6 +38,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """A whole-suite run that collects no test is a broken suite, not a pass: exit 1, not
+    pytest's 5, so CI (which runs exactly the README's command) fails on it. A run narrowed with
+    -k or -m may legitimately select nothing and keeps pytest's 5."""
+    config = session.config
+    if int(exitstatus) == 5 and not config.getoption("keyword") and not config.getoption("markexpr"):
+        session.exitstatus = 1
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
