@@ -5,7 +5,8 @@ with --grpo-stable-mode compressed)
 reports, before sending, what this rank delivers
 (a = D(q)) and what it owed (c = g + r: this step's gradient plus the error-feedback residual).
 Per unit, sums are kept in float64 over all elements: sum a, sum a^2, sum c, sum c^2, sum a*c,
-count. They are summed over every rank of the job (all data-parallel and model-parallel
+count (fp32 partial sums over bounded chunks, added up in float64: see ``HealthSums.add``).
+They are summed over every rank of the job (all data-parallel and model-parallel
 ranks, one all-reduce of a small vector laid out over all units of the model replica; see
 megatron_grpo.replica), so every rank derives the same figures:
 
@@ -38,6 +39,11 @@ import torch
 FIELDS = 6
 """Per-unit sums: a, a^2, c, c^2, a*c, count."""
 
+HEALTH_CHUNK_ELEMENTS = 1 << 20
+"""Elements of a bucket reduced at once by ``HealthSums.add``: bounds its temporaries (two fp32
+chunks of 4 MB each at the default) and the length of each fp32 partial sum.
+Read at call time, so tests can lower it."""
+
 
 class HealthSums:
     """Per-unit sums of one monitoring step, on the device (no host sync while collecting)."""
@@ -47,10 +53,42 @@ class HealthSums:
         self.units: set = set()
 
     def add(self, unit: int, applied: torch.Tensor, owed: torch.Tensor) -> None:
-        a, c = applied.double(), owed.double()
-        row = torch.stack([a.sum(), (a * a).sum(), c.sum(), (c * c).sum(), (a * c).sum(),
-                           torch.tensor(float(a.numel()), dtype=torch.float64, device=a.device)])
-        self.values[unit].add_(row)
+        """Add one bucket's sums to ``unit``'s row. ``applied`` and ``owed`` are flat over the
+        bucket, fp32 or bf16 (bf16 gradient buffers), contiguous (a strided one is copied whole).
+
+        This runs inside the backward hook, on the stream of the compressed send, on every
+        compressed bucket of a monitoring step. So it reduces one chunk at a time: each chunk is
+        widened to fp32 (a no-op for fp32 input) and reduced to fp32 partial sums by sum/dot
+        (dot accumulates without TF32, unlike a matmul), which are added into an fp64
+        accumulator on the device. At most two chunk-sized fp32 temporaries live at once, and
+        nothing waits on the host: the count is a Python number added in place (a kernel
+        argument), never a tensor built from a float (a blocking host-to-device copy).
+
+        The fifth partial is sum (a-c)^2, not sum a*c: rel_error needs ||a-c||^2, and taking it
+        as saa - 2 sac + scc cancels catastrophically in fp32 (for int8, ||a-c||^2 is 1e-4 of
+        each term). a.c = (saa + scc - sdd) / 2 is formed once, in fp64, from the accumulated
+        sums, so the row keeps its layout (FIELDS) and rel_error its fp32 accuracy."""
+        if applied.numel() != owed.numel():
+            raise ValueError(f"HealthSums.add: applied has {applied.numel()} elements and owed "
+                             f"{owed.numel()} for unit {unit}; the compressed path must report "
+                             f"both flat over the same bucket")
+        a, c = applied.reshape(-1), owed.reshape(-1)
+        work = torch.float64 if torch.float64 in (a.dtype, c.dtype) else torch.float32
+        n, step = a.numel(), max(1, int(HEALTH_CHUNK_ELEMENTS))
+        acc = torch.zeros(FIELDS - 1, dtype=torch.float64, device=self.values.device)
+        for start in range(0, n, step):
+            a_part, c_part = a[start:start + step], c[start:start + step]
+            ac, cc = a_part.to(work), c_part.to(work)
+            sa, saa, sc, scc = ac.sum(), torch.dot(ac, ac), cc.sum(), torch.dot(cc, cc)
+            # a - c into a's widened copy when there is one; the caller's tensor is never written.
+            diff = ac.sub_(cc) if ac is not a_part else ac - cc
+            del ac, cc  # so at most two chunk-sized temporaries are alive at once
+            acc.add_(torch.stack([sa, saa, sc, scc, torch.dot(diff, diff)]))  # fp32 -> fp64
+            del diff
+        acc[4].mul_(-0.5).add_(acc[1] + acc[3], alpha=0.5)  # sdd -> sac, in fp64
+        row = self.values[unit]
+        row[:FIELDS - 1].add_(acc)
+        row[FIELDS - 1].add_(n)
         self.units.add(unit)
 
 
