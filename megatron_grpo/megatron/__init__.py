@@ -118,7 +118,7 @@ def grpo_hooks(cfg):
         load_optimizer_state(state["built"].optimizer, saved.get("optimizer", {}))
 
     return RunHooks(
-        ddp_class=GRPODistributedDataParallel,
+        ddp_class=lambda *a, **kw: GRPODistributedDataParallel(*a, grpo_config=cfg.grpo, **kw),
         bucket_size=cfg.grpo.bucket_elements,
         optimizer_factory=lambda opt_config, chunks: get_grpo_optimizer(opt_config, chunks, cfg.grpo),
         after_build=after_build,
