@@ -24,6 +24,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_grpo.comm import streams
 from megatron_grpo.comm.compress import Compressor
 from megatron_grpo.comm.error_feedback import ErrorFeedback
 from megatron_grpo.comm.replicated import ReplicatedElements
@@ -33,10 +34,8 @@ def _used_on_current_stream(*tensors) -> None:
     """On GPU the buffers of a bucket's sync are allocated on GRPO's side stream (start_grad_sync
     runs there) but read on the main stream (wait(), the residual commit at end of step). Without
     telling the caching allocator, their memory could be handed to a new side-stream tensor while
-    the main stream's kernels still read it."""
-    for t in tensors:
-        if t is not None and t.is_cuda:
-            t.record_stream(torch.cuda.current_stream(t.device))
+    the main stream's kernels still read it (the rule: comm/streams.py)."""
+    streams.used_on_current_stream(*tensors)
 
 
 class InFlightReduceScatter:

@@ -22,6 +22,8 @@ from typing import Dict, Hashable, List, Optional
 
 import torch
 
+from megatron_grpo.comm import streams
+
 
 @dataclass
 class _Staged:
@@ -78,6 +80,10 @@ class ErrorFeedback:
                 residual = residual.to(grad.device)
                 self._residuals[key] = residual
             grad.add_(residual)
+            # On GPU this add is queued on GRPO's side stream, and an offloading store frees the
+            # residual's memory right below; a residual it fetched on the main stream would go
+            # back to the main stream's pool with the add still pending (comm/streams.py).
+            streams.used_on_current_stream(residual)
             release = getattr(self._residuals, "release", None)
             if release is not None:  # read once per step; commit writes a new one
                 release(key)

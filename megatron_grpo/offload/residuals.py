@@ -78,7 +78,9 @@ class OffloadedResiduals:
 
     def release(self, key: Hashable) -> None:
         """The residual was read and is not changed before ``commit`` writes a new one: drop
-        its memory now; the file still holds it."""
+        its memory now; the file still holds it. On GPU the read (``ErrorFeedback.owed``'s add)
+        may still be queued on the side stream: the caller has recorded that use
+        (comm/streams.py), so the allocator reuses the block only after it ran."""
         if self._state.get(key) != RESIDENT:
             return
         ids = self._ids[key]
