@@ -36,9 +36,9 @@ bash "$ROOT/launch/env.sh" --device "$GRPO_DEVICE" --nproc "$NPROC_PER_NODE" --d
 
 extra=()
 if [ "$GRPO_DEVICE" = cuda ]; then
-  if [ -z "${CUDA_DEVICE_MAX_CONNECTIONS:-}" ] && [ -n "$GRPO_CUDA_MAX_CONNECTIONS" ]; then
-    export CUDA_DEVICE_MAX_CONNECTIONS=$GRPO_CUDA_MAX_CONNECTIONS
-  fi
+  # job_setup.py decided (empty: leave it as it is; a value the user set is kept)
+  if [ -n "$GRPO_CUDA_MAX_CONNECTIONS" ]; then export CUDA_DEVICE_MAX_CONNECTIONS=$GRPO_CUDA_MAX_CONNECTIONS; fi
+  if [ -n "$GRPO_CUDA_MAX_CONNECTIONS_WARNING" ]; then echo "warning (run_local): $GRPO_CUDA_MAX_CONNECTIONS_WARNING" >&2; fi
   echo "[run_local] CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-unset} ($GRPO_CUDA_MAX_CONNECTIONS_WHY)"
 else
   extra+=(--cpu)

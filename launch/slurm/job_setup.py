@@ -3,8 +3,9 @@ launch/run_local.sh, so that shell scripts never parse training flags themselves
 
     job_setup.py plan --world-size N -- TRAINING FLAGS...
         Validates the flags exactly as launch/pretrain_gpt.py will (same parser, same YAML
-        precedence) and prints shell assignments (GRPO_TP=2 ...) for `eval`. Runs in ~0.1 s:
-        it imports neither torch nor megatron, so a bad flag fails before any node starts.
+        precedence) and prints shell assignments (GRPO_TP=2 ...) for `eval`, among them the
+        CUDA_DEVICE_MAX_CONNECTIONS decision the launchers apply. It builds no model and
+        imports no megatron-core (~1.5 s of CPU), so a bad flag fails before any node starts.
     job_setup.py build-cache --cache-dir DIR --world-size N -- TRAINING FLAGS...
         Builds megatron's dataset index cache (document/sample/shuffle indices) in DIR in one
         process. megatron-core builds that cache on global rank 0 only and has every other rank
@@ -18,29 +19,21 @@ import argparse
 import os
 import shlex
 import sys
-from typing import List, Optional, Tuple
+from typing import List
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 
-def cuda_max_connections(cfg) -> Tuple[Optional[str], str]:
-    """(value or None to leave unset, why) for CUDA_DEVICE_MAX_CONNECTIONS.
+def cuda_max_connections(cfg, environ=None):
+    """The CUDA_DEVICE_MAX_CONNECTIONS decision for this job (export, why, warning): 1 where
+    megatron-core relies on it (TP > 1), unset at TP = 1, and a value the user exported kept
+    as given. The rule and its reasons: megatron_grpo.training.cuda_settings.cuda_max_connections
+    (training checks the same rule at start-up); costs: docs/launch.md."""
+    from megatron_grpo.training.cuda_settings import cuda_max_connections as rule
 
-    megatron-core 0.16.1 (tensor_parallel/layers.py) issues the tensor-parallel all-reduce of
-    input gradients (TP > 1) and, with sequence parallelism, the all-gather / reduce-scatter
-    asynchronously and "relies on CUDA_DEVICE_MAX_CONNECTIONS=1" so the GPU runs them before
-    the weight-gradient GEMM; it warns when the variable is not 1. Without TP nothing needs that
-    ordering, and one hardware queue would only serialise data-parallel bucket communication
-    behind compute. (parallel_state.py asserts the opposite, != 1, for a UCC pipeline backend,
-    which this project does not use.) This project exposes no sequence-parallel flag, so TP
-    decides.
-    """
-    tp = cfg.parallel.tensor_model_parallel_size
-    if tp > 1:
-        return "1", (f"TP={tp}: megatron-core overlaps the tensor-parallel gradient all-reduce with "
-                     f"the weight-gradient GEMM and needs kernels in issue order")
-    return None, "TP=1: no tensor-parallel overlap needs kernel ordering (left unset)"
+    return rule(cfg.parallel.tensor_model_parallel_size,
+                os.environ if environ is None else environ, cfg.grpo.enabled)
 
 
 def _parse(world_size: int, argv: List[str]):
@@ -58,7 +51,7 @@ def plan(world_size: int, argv: List[str]) -> None:
     from megatron_grpo.data import parse_data_prefix
 
     prefixes, _ = parse_data_prefix(cfg.data.data_path)
-    value, why = cuda_max_connections(cfg)
+    conn = cuda_max_connections(cfg)
     out = {
         "GRPO_TP": cfg.parallel.tensor_model_parallel_size,
         "GRPO_PP": cfg.parallel.pipeline_model_parallel_size,
@@ -71,8 +64,11 @@ def plan(world_size: int, argv: List[str]) -> None:
         "GRPO_DATA_PREFIXES": " ".join(prefixes),
         "GRPO_DATA_CACHE_DIR": cfg.data.data_cache_dir or "",
         "GRPO_TRAIN_ITERS": cfg.training.train_iters,
-        "GRPO_CUDA_MAX_CONNECTIONS": value or "",
-        "GRPO_CUDA_MAX_CONNECTIONS_WHY": why,
+        # The launchers export GRPO_CUDA_MAX_CONNECTIONS when non-empty (never over a value the
+        # user set: then it is empty) and print the warning in cuda mode.
+        "GRPO_CUDA_MAX_CONNECTIONS": conn.export or "",
+        "GRPO_CUDA_MAX_CONNECTIONS_WHY": conn.why,
+        "GRPO_CUDA_MAX_CONNECTIONS_WARNING": conn.warning or "",
     }
     for key, val in out.items():
         print(f"{key}={shlex.quote(str(val))}")

@@ -44,9 +44,23 @@ def padded_vocab_size(vocab_size: int, cfg: PretrainConfig) -> int:
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
-def transformer_config(cfg: PretrainConfig, platform: Platform):
+def cuda_build_settings(cfg: PretrainConfig, platform: Platform):
+    """Initialisation and fusions (megatron_grpo.training.cuda_settings): Megatron-LM's on CUDA,
+    limited to the kernels that import here; CPU mode's fixed ones otherwise."""
+    from megatron_grpo.training.cuda_settings import build_settings, probe_kernels
+
+    if platform.cpu_mode:
+        return build_settings(cfg, on_cuda=False)
+    return build_settings(cfg, on_cuda=True, kernels=probe_kernels())
+
+
+def transformer_config(cfg: PretrainConfig, platform: Platform, settings=None):
+    """megatron's TransformerConfig; ``settings`` (a cuda_settings.BuildSettings) defaults to
+    cuda_build_settings(cfg, platform)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    if settings is None:
+        settings = cuda_build_settings(cfg, platform)
     m, p = cfg.model, cfg.parallel
     dtype = torch.bfloat16 if cfg.training.bf16 else torch.float32
     return TransformerConfig(
@@ -56,9 +70,6 @@ def transformer_config(cfg: PretrainConfig, platform: Platform):
         ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-        # Initialise on CPU then move: identical weights for every TP/PP layout (and the only
-        # option in CPU mode).
-        use_cpu_initialization=True,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=cfg.training.bf16,
@@ -74,12 +85,11 @@ def transformer_config(cfg: PretrainConfig, platform: Platform):
         recompute_method=m.recompute_method,
         recompute_num_layers=m.recompute_num_layers,
         sequence_parallel=p.sequence_parallel,
-        # Fused kernels need CUDA/apex; the local spec's unfused paths are exact on CPU.
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
+        # Where weights are made and which fusions run: on CUDA as Megatron-LM (device init,
+        # every fusion whose kernel imports), in CPU mode host init and no fusion (the local
+        # spec's unfused paths are exact on CPU). Layout-independent weights on CUDA come from
+        # the seed checkpoint (cuda_settings' docstring).
+        **settings.kwargs(),
         # No CUDA graphs; megatron 0.16.1's default scope "full" only warns that it is deprecated.
         cuda_graph_scope=[],
     )
@@ -118,17 +128,20 @@ class BuiltModel:
     """Parameters held by this rank."""
     spec_name: str
     """'local' or 'transformer_engine'."""
+    settings: object = None
+    """cuda_settings.BuildSettings the model was built with (initialisation, fusions)."""
 
 
 def build_gpt_model(cfg: PretrainConfig, platform: Platform, tokenizer_vocab_size: int,
-                    padded_vocab: Optional[int] = None):
-    """The megatron-core GPTModel of this rank's pipeline stage (on CPU, not yet moved):
-    (model, TransformerConfig, spec name, padded vocabulary). ``padded_vocab`` overrides the
-    padding rule (a converter building a checkpoint's model at another TP size)."""
+                    padded_vocab: Optional[int] = None, settings=None):
+    """The megatron-core GPTModel of this rank's pipeline stage (CPU mode: on the host, not yet
+    moved; CUDA: on the device): (model, TransformerConfig, spec name, padded vocabulary).
+    ``padded_vocab`` overrides the padding rule (a converter building a checkpoint's model at
+    another TP size); ``settings`` as transformer_config's."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    tf_config = transformer_config(cfg, platform)
+    tf_config = transformer_config(cfg, platform, settings)
     spec, spec_name = layer_spec(platform, cfg.model.normalization)
     if spec_name == "local" and cfg.parallel.sequence_parallel:
         from megatron_grpo.training.arguments import ConfigError
@@ -160,8 +173,14 @@ def build_model(cfg: PretrainConfig, platform: Platform, tokenizer_vocab_size: i
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    model, tf_config, spec_name, vocab = build_gpt_model(cfg, platform, tokenizer_vocab_size)
+    settings = cuda_build_settings(cfg, platform)
+    if not platform.cpu_mode:  # before the build: a model too big for unfused attention is named
+        _report_cuda_build(cfg, settings, layer_spec(platform)[1], tokenizer_vocab_size)
+    model, tf_config, spec_name, vocab = build_gpt_model(cfg, platform, tokenizer_vocab_size,
+                                                         settings=settings)
     if not platform.cpu_mode:
+        # megatron built the weights on the current device (select_platform set it); this moves
+        # anything a module made on the host.
         model = model.to(platform.device)
     num_params = sum(p.numel() for p in model.parameters())
     if cfg.training.bf16:
@@ -193,7 +212,23 @@ def build_model(cfg: PretrainConfig, platform: Platform, tokenizer_vocab_size: i
     tf_config.no_sync_func = ddp.no_sync
     tf_config.finalize_model_grads_func = finalize_model_grads
     tf_config.grad_scale_func = optimizer.scale_loss
-    return BuiltModel([ddp], optimizer, scheduler, tf_config, vocab, num_params, spec_name)
+    return BuiltModel([ddp], optimizer, scheduler, tf_config, vocab, num_params, spec_name, settings)
+
+
+def _report_cuda_build(cfg: PretrainConfig, settings, spec_name: str, vocab: int) -> None:
+    """Rank 0, at start-up: the fusions (each one off with its reason), where the weights were
+    made, and WARNING lines (unfused attention that costs memory, CUDA_DEVICE_MAX_CONNECTIONS)."""
+    import sys
+
+    from megatron_grpo.training.cuda_settings import startup_warnings
+
+    if dist.get_rank() != 0:
+        return
+    name = cfg.logging.run_name
+    for line in settings.describe():
+        print(f"[{name}] {line}", flush=True)
+    for line in startup_warnings(cfg, spec_name, vocab, os.environ):
+        print(f"[{name}] WARNING: {line}", file=sys.stderr, flush=True)
 
 
 def build_scheduler(cfg: PretrainConfig, optimizer):
