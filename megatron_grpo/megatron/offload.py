@@ -2,12 +2,16 @@
 which GRPO tier unit, and the TierPlacement that moves them (megatron_grpo.offload.placement).
 
 Per parameter shard this rank owns, the placed state is the fp32 master shard (GRPO gives fp32
-params their own master storage, megatron does for bf16) and the inner torch optimizer's
-per-element state (Adam's exp_avg and exp_avg_sq); scalar state (Adam's step) stays.
+params their own master storage, megatron does for bf16) and the inner optimizer's
+per-element state (Adam's exp_avg and exp_avg_sq; TE FusedAdam's master_param with the
+precision-aware optimizer); scalar state (torch Adam's step) stays. The inner optimizer is the
+one megatron picks: TE's FusedAdam, apex's, or torch's AdamW (tests/fused_adam_double.py has
+the fused ones' semantics on CPU).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Dict, List, Optional, Tuple
 
@@ -54,9 +58,11 @@ def build_placement(config: OffloadConfig, optimizer, ctrl, rank: int) -> Option
     unwritable or too small --grpo-offload-dir fails before any training."""
     if config.target == "none":
         return None
-    masters = [shard for (_, kind), pairs in unit_state(optimizer, ctrl).items() if kind == "master"
-               for _, shard in pairs]
-    sizes = [s.numel() * 4 for s in masters for _ in range(PER_ELEMENT_STATES)]
+    sizes = []
+    for opt in grpo_optimizers(optimizer):
+        # TE FusedAdam's master_weights (the precision-aware optimizer) adds an fp32 master.
+        per_element = PER_ELEMENT_STATES + bool(getattr(opt.optimizer, "master_weights", False))
+        sizes += [shard.numel() * 4 for _, shard in opt._pairs() for _ in range(per_element)]
     residuals = config.residuals and ctrl.config.compressor != "powersgd"
     if residuals:  # room for a residual of every bucket (any unit may become dynamic)
         sizes += [b.grad_data.numel() * 4 for u in ctrl.units for b in u.group.buckets]
@@ -86,28 +92,21 @@ def build_placement(config: OffloadConfig, optimizer, ctrl, rank: int) -> Option
 
 
 def _window_inner_step(oi: int, opt, placement: TierPlacement, ctrl) -> None:
-    """Replace the inner torch optimizer's step with one that updates the resident units in one
-    call, then the streamed units one at a time through ``placement.stream``, each followed by
-    the copy of its new weights to the model (the last read of its master), so its state can
-    leave at once. Adam's update is per element and per parameter (each parameter is stepped
-    exactly once, with the step's own lr), so the result is bit for bit the single call's; only
-    what is resident meanwhile differs."""
+    """Replace the inner optimizer's step with one that updates the resident units in one call,
+    then the streamed units one at a time through ``placement.stream``, each followed by the
+    copy of its new weights to the model (the last read of its master), so its state can leave
+    at once. Adam's update is per element and per parameter (each parameter is stepped exactly
+    once, with the step's own lr), so the result is bit for bit the single call's; only what is
+    resident meanwhile differs. That holds for every Adam megatron picks (torch's, TE's and
+    apex's FusedAdam) because each call sees only its own parameters (``_only``) and the group
+    step counters advance once per iteration (``GroupCounters``)."""
     inner = opt.optimizer
     whole_step = inner.step
+    counters = GroupCounters(inner)
 
     def step_only(params, closure=None):
-        wanted = {id(p) for p in params}
-        held = []
-        for group in inner.param_groups:
-            for p in group["params"]:
-                if p.grad is not None and id(p) not in wanted:
-                    held.append((p, p.grad))
-                    p.grad = None
-        try:
+        with counters.call(), _only(inner, params):
             return whole_step(closure)
-        finally:
-            for p, grad in held:
-                p.grad = grad
 
     def windowed_step(closure=None):
         windows = placement.windows(ctrl.step.stable_update)
@@ -116,13 +115,14 @@ def _window_inner_step(oi: int, opt, placement: TierPlacement, ctrl) -> None:
         wanted = set(windows)
         for group in inner.param_groups:
             for p in group["params"]:
-                if p.grad is None:
+                if _grad(p) is None:
                     continue
                 unit = unit_of.get(id(p))
                 if unit in wanted:
                     streamed.setdefault(unit, []).append(p)
                 else:
                     rest.append(p)
+        counters.begin()
         result = step_only(rest, closure) if rest else None
 
         def update(unit):
@@ -136,9 +136,112 @@ def _window_inner_step(oi: int, opt, placement: TierPlacement, ctrl) -> None:
             opt._copy_main_params_to_model_params(units={unit})
 
         placement.stream([w for w in windows if w in streamed], update)
+        counters.end()
         # A streamed unit with no gradient on this rank was not stepped, so its weights did
         # not change, and its master is away: megatron's copy after the step must skip it.
         opt._grpo_copied_units.update(w for w in windows if w not in streamed)
         return result
 
     inner.step = windowed_step
+
+
+def _grad(p):
+    # TE FusedAdam with the precision-aware optimizer reads the gradient from decoupled_grad.
+    grad = getattr(p, "decoupled_grad", None)
+    return p.grad if grad is None else grad
+
+
+@contextlib.contextmanager
+def _only(inner, params):
+    """The inner optimizer sees only ``params`` for one step() call: every param group keeps
+    just those of its params, and groups left with none are hidden.
+
+    Hiding the other params' gradients is not enough: TE's FusedAdam makes the state of every
+    parameter it is handed at its first step(), gradient or not (all units' moments resident
+    at once: the tier's peak promise broken), and apex's indexes group["params"][0], so an
+    empty group must not be handed to it at all. The group dicts themselves stay the same
+    objects (lr, weight decay and the group step counter live there)."""
+    wanted = {id(p) for p in params}
+    groups = inner.param_groups
+    saved = [g["params"] for g in groups]
+    kept = []
+    for g, ps in zip(groups, saved):
+        mine = [p for p in ps if id(p) in wanted]
+        if mine:
+            g["params"] = mine
+            kept.append(g)
+    inner.param_groups = kept
+    try:
+        yield
+    finally:
+        inner.param_groups = groups
+        for g, ps in zip(groups, saved):
+            g["params"] = ps
+
+
+_MISSING = object()
+
+
+def _copy(value):
+    return value.clone() if torch.is_tensor(value) else value
+
+
+class GroupCounters:
+    """TE's and apex's FusedAdam keep one step counter per param group (``group["step"]``) and
+    advance it at every step() call, for every group they are handed; Adam's bias correction
+    uses it. The windowed step calls step() once per streamed unit, which would advance it
+    that many times per iteration (a CPU reproduction: 210 after 10 iterations of 20 units).
+
+    So every call of one iteration starts from the counters as they were before the iteration
+    (each sees the value one call would see), and at the end each group holds the value its
+    calls gave it. A group handed to no call this iteration (all its params without a
+    gradient: a stable unit between updates) advances as one step() call would have advanced
+    it (TE and apex: by one, for every non-empty group), once the optimizer has been seen to
+    keep group counters. Torch's Adam keeps its counters per parameter (``state["step"]``):
+    its group dicts never change here, and nothing is done."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.keeps_group_counters = False  # seen to advance group["step"] in a step() call
+        self.groups: list = []
+        self.before: list = []
+        self.after: dict = {}
+
+    def begin(self) -> None:
+        self.groups = list(self.inner.param_groups)
+        self.before = [_copy(g.get("step", _MISSING)) for g in self.groups]
+        self.after = {}
+
+    @contextlib.contextmanager
+    def call(self):
+        """Around one step() call (outside ``_only``, which hides groups)."""
+        for g, value in zip(self.groups, self.before):
+            if value is _MISSING:
+                g.pop("step", None)
+            else:
+                g["step"] = _copy(value)
+        yield
+        for i, g in enumerate(self.groups):
+            value = g.get("step", _MISSING)
+            if value is not _MISSING and not _same(value, self.before[i]):
+                self.after[i] = _copy(value)
+                self.keeps_group_counters = True
+
+    def end(self) -> None:
+        for i, g in enumerate(self.groups):
+            if i in self.after:
+                g["step"] = self.after[i]
+            elif self.before[i] is not _MISSING:
+                g["step"] = _copy(self.before[i])
+                if self.keeps_group_counters and g["params"]:
+                    g["step"] = g["step"] + 1
+            elif self.keeps_group_counters and g["params"]:
+                g["step"] = 1
+
+
+def _same(a, b) -> bool:
+    if a is _MISSING or b is _MISSING:
+        return a is b
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return bool(torch.equal(torch.as_tensor(a), torch.as_tensor(b)))
+    return a == b
