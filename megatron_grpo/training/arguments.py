@@ -341,6 +341,9 @@ def validate(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
         raise ConfigError("--save-interval needs --save DIR")
     if t.exit_after_iter is not None and t.exit_after_iter <= 0:
         raise ConfigError(f"--exit-after-iter must be positive, got {t.exit_after_iter}")
+    if t.max_consecutive_skipped_steps < 0:
+        raise ConfigError(f"--max-consecutive-skipped-steps must be >= 0 (0: never stop), "
+                          f"got {t.max_consecutive_skipped_steps}")
     if world_size is not None:
         mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
         if world_size % mp:

@@ -249,9 +249,16 @@ def save_checkpoint(root: str, iteration: int, built, common: Dict,
     scheduler state, extra component state); rank 0 writes it. ``rank_extra`` is this rank's own
     state (e.g. error-feedback residuals), stored beside its RNG state. Returns the directory.
     A failed write (ENOSPC, EROFS, ...) raises CheckpointError; the last complete checkpoint
-    and the tracker are untouched, the partial iter_N.tmp is replaced by the next save."""
+    and the tracker are untouched, the partial iter_N.tmp is replaced by the next save. Weights
+    holding a NaN or Inf are refused the same way, before anything is written."""
     from torch.distributed.checkpoint import CheckpointException
 
+    from megatron_grpo.training.divergence import nonfinite_weights_problem
+
+    # Before anything is written: the previous checkpoint must stay the newest one.
+    problem = nonfinite_weights_problem(root, iteration, built)
+    if problem is not None:
+        raise CheckpointError(problem)
     try:
         return _save_checkpoint(root, iteration, built, common, rank_extra, record)
     except OSError as exc:

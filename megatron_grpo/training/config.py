@@ -137,6 +137,19 @@ class TrainingSettings:
     """Force CPU mode (gloo) even where CUDA is available."""
     exit_after_iter: Optional[int] = None
     """Stop (as if killed) after this iteration; for resume tests and dry runs."""
+    check_for_nan_in_loss_and_grad: bool = True
+    """Stop the run (an error naming the iteration and the ranks, exit code 2) at the first NaN or
+    Inf training loss, and at the first non-finite gradient norm of an update that was applied
+    (the megatron baseline applies it: its weights are then non-finite). On by default, as
+    Megatron-LM's flag of this name, which raises at the first NaN in a loss or gradient.
+    GRPO's skip of a step with a non-finite gradient is governed by
+    --max-consecutive-skipped-steps instead. --no-check-for-nan-in-loss-and-grad trains on."""
+    max_consecutive_skipped_steps: int = 10
+    """Stop the run after this many optimizer steps in a row were skipped (GRPO skips a step whose
+    gradient is non-finite on any rank, as megatron skips an fp16 overflow step); 0 never stops.
+    An isolated bad step (one corrupt batch, one flipped value) is skipped and training goes on;
+    the default 10 stops a run whose weights have stopped moving, where Megatron-LM (which does
+    not skip) would have stopped at the first. The count restarts at a resume."""
 
 
 @dataclass

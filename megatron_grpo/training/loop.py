@@ -16,7 +16,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,7 @@ from megatron_grpo.metrics import MetricsLogger, peak_rss_bytes, step_peak_rss_b
 from megatron_grpo.platform import select_platform
 from megatron_grpo.training import checkpointing
 from megatron_grpo.training.config import PretrainConfig
+from megatron_grpo.training.divergence import DivergenceGuard, TrainingDiverged
 from megatron_grpo.training.memory_budget import current_base_bytes
 from megatron_grpo.training.model import (build_model, data_parallel_info, init_distributed,
                                           is_metrics_rank, model_parallel_init, optional_device_peak)
@@ -90,14 +91,16 @@ class _Preemption:
     def _note(self, signum, frame) -> None:
         self.signalled = True
 
-    def agree(self, device) -> int:
-        """Collective on the default group: the number of ranks that got SIGTERM so far. On a
-        GPU, ``item()`` waits for the all-reduce: one 4-byte collective and host sync per
-        iteration (the loss all-reduce already syncs every step)."""
-        flag = torch.tensor([1 if self.signalled else 0], dtype=torch.int32, device=device)
+    def agree(self, device, flags: Sequence[int] = ()) -> List[int]:
+        """Collective on the default group: [the number of ranks that got SIGTERM so far, then
+        the sum over ranks of each of ``flags``] (the divergence checks ride along, so every rank
+        also stops together on a NaN loss). On a GPU, ``tolist()`` waits for the all-reduce: one
+        small collective and host sync per iteration (the loss all-reduce already syncs every
+        step)."""
+        flag = torch.tensor([1 if self.signalled else 0, *flags], dtype=torch.int32, device=device)
         with wire_counter().tag("control"):  # not gradient traffic (the caller drops it too)
             dist.all_reduce(flag)
-        return int(flag.item())
+        return [int(x) for x in flag.tolist()]
 
 
 def _median(xs: List[float]) -> Optional[float]:
@@ -243,6 +246,7 @@ def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption) -> RunSu
     logged, wire_after_first = 0, 0
     rss_high, device_high = 0, 0
     counter.reset()
+    guard = DivergenceGuard(cfg)
     iteration = start_iter
     while iteration < t.train_iters:
         hooks.before_step(iteration)
@@ -253,9 +257,11 @@ def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption) -> RunSu
         step_time = time.perf_counter() - t0
         iteration += 1
         wire = counter.reset()
-        # Every rank, every iteration, at this point: did any rank get SIGTERM? Its few bytes
-        # are dropped from the counts (like evaluation's), so wire_bytes stays the step's own.
-        signalled = preemption.agree(platform.device)
+        # Every rank, every iteration, at this point: did any rank get SIGTERM, or see a NaN
+        # loss? Its few bytes are dropped from the counts (like evaluation's), so wire_bytes
+        # stays the step's own.
+        signalled, *nonfinite = preemption.agree(platform.device, guard.local_flags(result))
+        diverged = guard.problem(iteration, result, nonfinite, platform.device)
         counter.reset()
         stopping = signalled > 0 and iteration < t.train_iters
         step_times.append(step_time)
@@ -291,6 +297,11 @@ def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption) -> RunSu
         record.update(hooks.step_metrics(iteration, wire, step_time))
         if budget is not None:
             record.update(budget.metrics())
+        if diverged is not None:  # log the failing record, then stop on every rank (no save)
+            if writer:
+                logger.log(record)
+            logger.close()
+            raise TrainingDiverged(diverged)
         if weight_check.check_due(hash_interval, iteration):
             hashes = weight_check.check_weight_hashes(built.ddp_model, hooks.params_between_syncs())
             counter.reset()  # its traffic is no step's traffic (tagged "weight_check")

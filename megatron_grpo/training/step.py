@@ -52,25 +52,32 @@ class StepResult:
     """False when the optimizer skipped the step (fp16 overflow)."""
     optimizer_time_s: float = 0.0
     """Wall time of optimizer.step() (includes the distributed optimizer's param all-gather)."""
+    local_loss_finite: bool = True
+    """This rank's own summed token loss, before the data-parallel reduction, is finite (True on
+    ranks that are not the last PP stage): names the rank where a loss went NaN/Inf."""
 
 
-def _reduce_loss(results, dp_group, device) -> Optional[float]:
-    """Token-weighted mean loss over micro-batches and data-parallel ranks."""
+def _reduce_loss(results, dp_group, device) -> Tuple[Optional[float], bool]:
+    """(token-weighted mean loss over micro-batches and data-parallel ranks, whether this
+    rank's own loss sum was finite)."""
     from megatron.core import parallel_state as ps
 
     if not ps.is_pipeline_last_stage():
-        return None
+        return None, True
     if results:
         totals = torch.stack([r["lm loss"] for r in results]).sum(0).to(device)
     else:
         totals = torch.zeros(2, device=device)
+    own = totals[0].clone()
     if dist.get_world_size(dp_group) > 1:
         from megatron_grpo.comm.wire import wire_counter
 
         # Loss bookkeeping is not gradient traffic: tag it so per-step figures separate it.
         with wire_counter().tag("logging"):
             dist.all_reduce(totals, group=dp_group)
-    return (totals[0] / totals[1].clamp(min=1)).item()
+    # One host read for both (a GPU sync either way).
+    loss, own_finite = torch.stack([totals[0] / totals[1].clamp(min=1), torch.isfinite(own).float()]).tolist()
+    return loss, bool(own_finite)
 
 
 def train_step(forward_step: ForwardStep, data_iterator, built, num_microbatches: int,
@@ -89,9 +96,9 @@ def train_step(forward_step: ForwardStep, data_iterator, built, num_microbatches
     t0 = time.perf_counter()
     update_successful, grad_norm, _ = built.optimizer.step()
     optimizer_time = time.perf_counter() - t0
-    loss = _reduce_loss(results, ps.get_data_parallel_group(), forward_step.device)
+    loss, own_finite = _reduce_loss(results, ps.get_data_parallel_group(), forward_step.device)
     return StepResult(loss, None if grad_norm is None else float(grad_norm), bool(update_successful),
-                      optimizer_time)
+                      optimizer_time, own_finite)
 
 
 @torch.no_grad()

@@ -55,6 +55,8 @@ RANGE = {
     "training.micro_batch_size": ["--micro-batch-size", "0"], "training.global_batch_size": ["--global-batch-size", "0"],
     "training.train_iters": ["--train-iters", "-1"], "training.seed": ["--seed", "-1"], "training.bf16": None,
     "training.cpu": None, "training.exit_after_iter": ["--exit-after-iter", "0"],
+    "training.check_for_nan_in_loss_and_grad": None,
+    "training.max_consecutive_skipped_steps": ["--max-consecutive-skipped-steps", "-1"],
     "data.data_path": [], "data.split": ["--split", "98,2"], "data.data_cache_dir": None,
     "checkpoint.save": None, "checkpoint.save_interval": ["--save-interval", "0", "--save", "d"],
     "checkpoint.load": ["--load", "a", "--init-from", "b"], "checkpoint.init_from": ["--init-from", "b", "--load", "a"], "checkpoint.load_optim": None,

@@ -6,11 +6,11 @@ fault_probe.py. The probe option of tests/multiproc/grpo_probe.py (--probe-inf I
 per run, delayed stable mode too) is tested in tests/multiproc/test_grpo.py, not repeated here."""
 
 import math
+import os
 
-import pytest
-
-from harness import GRPO_SMALL, SMALL_MODEL, read_metrics
-from reliability_harness import run_job
+from harness import GRPO_SMALL, REPO, SMALL_MODEL, read_metrics
+from megatron_grpo.training.checkpointing import TRACKER
+from reliability_harness import rank_errors, run_job
 
 GROUP = "NaN/Inf in a gradient of each tier"
 # Tiered from iteration 9 (--grpo-warmup-iters 6, re-tier at multiples of the stable interval);
@@ -65,3 +65,86 @@ def test_nan_and_inf_in_every_tier_skip_the_step_and_keep_state(stdlib_data, tmp
                   f"{len(normal)} other iterations stepped normally, losses finite, parameters "
                   f"bit-identical across ranks")
 
+
+
+# -- a diverged run stops (issue 30 item 5) ---------------------------------------------------------
+# The issue's reproduction: the quickstart's tiny config on 2 ranks with a learning rate that blows
+# up. The loss is finite up to iteration 6 (3.7e9 at 5, 7.4e10 at 6) and NaN from iteration 7.
+TINY = os.path.join(REPO, "launch", "configs", "tiny.yaml")
+DIVERGE = ["--config", TINY, "--lr", "1000", "--min-lr", "100", "--lr-warmup-iters", "1",
+           "--train-iters", "40", "--log-interval", "1000"]
+DIVERGED_GROUP = "A diverged run"
+
+
+def _iters(ckpt):
+    return sorted(p.name for p in ckpt.iterdir() if p.name.startswith("iter_"))
+
+
+def test_a_nan_loss_stops_the_run_before_its_next_save(stdlib_data, tmp_path, table):
+    ckpt, metrics = tmp_path / "ckpt", str(tmp_path / "m.jsonl")
+    job = run_job(tmp_path / "job", 2, [*DIVERGE, "--data-path", stdlib_data, "--save", ckpt,
+                                        "--save-interval", "5", "--metrics-file", metrics],
+                  probe=False, timeout=240)
+    assert job.rc not in (0, None), f"rc {job.rc}: the diverged run did not stop\n{job.text[-3000:]}"
+    said = rank_errors(job.err)
+    assert sorted(said) == [0, 1], job.err[-3000:]
+    for rank, line in said.items():
+        assert "iteration 7 of 40: the loss is nan on 2 of 2 rank(s) (first: rank 0)" in line, line
+        assert "--check-for-nan-in-loss-and-grad" in line and "lower --lr" in line, line
+        assert f"the latest complete checkpoint, iteration 5 in {ckpt}, is kept" in line, line
+    m = read_metrics(metrics)
+    assert [r["iteration"] for r in m] == list(range(1, 8))  # the failing iteration is logged too
+    assert math.isnan(m[-1]["loss"]) and all(math.isfinite(r["loss"]) for r in m[:-1])
+    assert _iters(ckpt) == ["iter_0000005"] and (ckpt / TRACKER).read_text() == "5"
+    assert not job.leftovers
+    table.row(DIVERGED_GROUP, "tiny.yaml, --lr 1000 --min-lr 100 --lr-warmup-iters 1 (loss NaN from "
+                              "iteration 7), --save every 5, baseline",
+              "the run stops at the first non-finite loss, naming it; no checkpoint after it",
+              f"rc {job.rc} at iteration 7; rank 0: \"{said[0][:200]}...\"; {ckpt.name} holds "
+              f"{', '.join(_iters(ckpt))} only")
+
+
+def test_non_finite_weights_are_never_saved(stdlib_data, tmp_path, table):
+    # Both stops switched off: megatron applies the non-finite update (the baseline does not skip
+    # steps), the weights are NaN from iteration 7, and the save at 10 must refuse them.
+    ckpt = tmp_path / "ckpt"
+    job = run_job(tmp_path / "job", 2, [*DIVERGE, "--data-path", stdlib_data, "--save", ckpt,
+                                        "--save-interval", "5", "--no-check-for-nan-in-loss-and-grad",
+                                        "--max-consecutive-skipped-steps", "0"],
+                  probe=False, timeout=240)
+    assert job.rc not in (0, None), f"rc {job.rc}: non-finite weights were saved\n{job.text[-3000:]}"
+    said = rank_errors(job.err)
+    assert sorted(said) == [0, 1], job.err[-3000:]
+    for line in said.values():
+        assert f"--save {ckpt}: refusing to save iteration 10: the weights are non-finite" in line, line
+        assert f"the latest complete checkpoint, iteration 5, is kept: resume with --load {ckpt}" in line
+    assert "on rank(s) 0, 1" in said[0], said[0]
+    assert _iters(ckpt) == ["iter_0000005"] and (ckpt / TRACKER).read_text() == "5"
+    assert not list(ckpt.glob("*.tmp"))
+    table.row(DIVERGED_GROUP, "the same run with --no-check-for-nan-in-loss-and-grad "
+                              "--max-consecutive-skipped-steps 0 (weights NaN from iteration 7)",
+              "the save at iteration 10 is refused, the previous checkpoint kept",
+              f"rc {job.rc}; rank 0: \"{said[0][:200]}...\"; {ckpt.name} holds {', '.join(_iters(ckpt))}")
+
+
+def test_consecutive_skipped_steps_stop_the_run(stdlib_data, tmp_path, table):
+    # GRPO skips a step whose gradient is non-finite (isolated ones: the test above); three in a
+    # row with --max-consecutive-skipped-steps 3 stop the run at the third.
+    metrics = str(tmp_path / "m.jsonl")
+    job = run_job(tmp_path / "job", 2, [*SMALL_MODEL, *GRPO_SMALL, "--data-path", stdlib_data,
+                                        "--train-iters", "10", "--eval-iters", "0", "--eval-interval", "10",
+                                        "--max-consecutive-skipped-steps", "3", "--metrics-file", metrics],
+                  faults=[f"nonfinite:{k}:core:nan" for k in (3, 4, 5)], timeout=240)
+    assert job.rc not in (0, None), f"rc {job.rc}: the run did not stop\n{job.text[-3000:]}"
+    said = rank_errors(job.err)
+    assert sorted(said) == [0, 1], job.err[-3000:]
+    for line in said.values():
+        assert ("iteration 5 of 10: 3 consecutive steps skipped (iterations 3-5: a non-finite gradient "
+                "on some rank") in line, line
+        assert "--max-consecutive-skipped-steps 3" in line and "no --save" in line, line
+    m = read_metrics(metrics)
+    assert [r["iteration"] for r in m if r["skipped"]] == [3, 4, 5] and m[-1]["iteration"] == 5
+    table.row(DIVERGED_GROUP, "NaN in a core gradient on rank 1 at iterations 3, 4, 5 (GRPO), "
+                              "--max-consecutive-skipped-steps 3",
+              "the run stops after the third skipped step in a row, naming the flag",
+              f"rc {job.rc} at iteration {m[-1]['iteration']}; rank 0: \"{said[0][:200]}...\"")
