@@ -50,7 +50,8 @@ from megatron_grpo.health import HealthSums, HealthWatch
 from megatron_grpo.importance import ImportanceTracker
 from megatron_grpo.outer_schedule import OuterSchedule
 from megatron_grpo.replica import ReplicaLayout
-from megatron_grpo.tiers import GVRMonitor, TierPlan, TierPlanner, describe_moves, policy_density
+from megatron_grpo.tiers import (GVRMonitor, TierPlan, TierPlanner, describe_moves, lone_unit_notice,
+                                 policy_density)
 from megatron_grpo.timing import IntervalTimer
 
 
@@ -145,12 +146,8 @@ class GRPOController(ControllerState, ControllerReport):
                 self.units.append(unit)
         n = len(self.units)
         self.layout = ReplicaLayout(n, stage, stages, self.device, plan_group)
-        if self.layout.num_global < 2:
-            raise ValueError(
-                f"GRPO found {self.layout.num_global} tier unit in the whole model: the tiers need "
-                f"several DDP buckets. Lower --grpo-bucket-mb (now {config.bucket_mb} MB) below the "
-                f"model's gradient size, or build the DDP model with GRPODistributedDataParallel "
-                f"(plain megatron DDP keeps one bucket on later pipeline stages and without overlap)")
+        # One unit in the whole model: nothing to tier; it stays in the exact warm-up for good.
+        self.lone = self.layout.num_global < 2
         rows = torch.tensor([[u.numel, 1.0 if u.pinned else 0.0, 1.0 if u.sparse else 0.0]
                              for u in self.units], dtype=torch.float64, device=self.device).view(n, 3)
         with self.counter.tag("grpo_control"):
@@ -229,6 +226,8 @@ class GRPOController(ControllerState, ControllerReport):
         # moments differ per instance and are averaged by the glue before the step runs.
         self.left_local: List[int] = []
         self.final_iteration: Optional[int] = None  # --train-iters, set by the glue
+        if self.lone:  # once per run, in the first step's record and on rank 0's log
+            self.note_event(lone_unit_notice(self.layout.num_global, config.bucket_mb))
 
     # ------------------------------------------------------------------ streams and timers
     def current_stream(self):
@@ -263,7 +262,7 @@ class GRPOController(ControllerState, ControllerReport):
             self.warmup_origin = iteration
         done = k - 1 - self.warmup_origin  # steps since the warm-up began
         if done >= c.warmup_iters and (not self.tiered or (done - c.warmup_iters) % c.retier_interval == 0):
-            self.retier_pending = True
+            self.retier_pending = not self.lone
         interval = self._stable_step_interval()
         never = interval == 0  # static freeze: stable units are never updated
         self.left_local = []
@@ -276,7 +275,7 @@ class GRPOController(ControllerState, ControllerReport):
         self.step = StepPlan(
             k=k,
             stable_update=(not never and k % interval == 0) or not self.tiered,
-            measure_importance=(k % c.importance_interval == 0),
+            measure_importance=not self.lone and k % c.importance_interval == 0,
             measure_health=self.tiered and (k % c.gvr_interval == 0) and bool(self._watched_tiers()),
         )
         self.step_skipped = False

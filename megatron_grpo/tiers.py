@@ -26,6 +26,11 @@ the plan returned is then a fixed point and the next re-plan on unchanged scores
 
 Dynamic guard: if dynamic then holds more than ``max_dynamic_share`` of the elements, its densest
 buckets (incumbent core first, as in the core ranking) move to core until it does not.
+
+One unit: a model whose gradients fit in one bucket has nothing to partition, and compressing
+its lone unit would only trade quality for bytes with no exact part left. GRPO then never tiers:
+the unit stays core with megatron's exact collectives for the whole run, and the start-up says
+so once (``lone_unit_notice``), so that GRPO can be switched on for any model.
 """
 
 from __future__ import annotations
@@ -111,6 +116,17 @@ def _fill(order: Sequence[int], numels: Sequence[int], quota: float) -> List[int
         else:
             break
     return taken
+
+
+def lone_unit_notice(units: int, bucket_mb: float) -> str:
+    """The start-up notice of a model replica with fewer than two tier units (see above)."""
+    count = "one tier unit" if units == 1 else f"{units} tier units"
+    return (f"GRPO has {count} in the whole model (its gradients fit in one --grpo-bucket-mb "
+            f"{bucket_mb:g} MB bucket): nothing to tier, so it runs exactly as megatron would, "
+            f"every step core with megatron's own collectives. For tiers, set --grpo-bucket-mb "
+            f"smaller, below the model's gradient size (a few units at least); a DDP model built "
+            f"by hand keeps its buckets without overlap_grad_reduce and on later pipeline stages "
+            f"only as GRPODistributedDataParallel(..., grpo_config=<an enabled GRPOConfig>)")
 
 
 def policy_density(policy: str, density: Sequence[float], k: int) -> List[float]:
