@@ -24,11 +24,18 @@ def parallel_layout():
     return [ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()]
 
 
+def grpo_data_parallel_group():
+    """The group GRPO's controller syncs gradients over: megatron's DDP reduces over the
+    data-parallel ranks *with* the context-parallel ones (they hold the same parameters and
+    gradients of other sequence chunks), and shards its buffers over them."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_group(with_context_parallel=True)
+
+
 def grpo_hooks(cfg):
     """RunHooks for ``megatron_grpo.training.loop.run`` with GRPO enabled (and, with
     --grpo-offload cpu|ssd, the memory tier's placement of the stable tier's state)."""
-    from megatron.core import parallel_state as ps
-
     from megatron_grpo.controller import GRPOController
     from megatron_grpo.megatron.offload import build_placement, unit_state
 
@@ -36,7 +43,7 @@ def grpo_hooks(cfg):
 
     def after_build(built):
         device = next(built.ddp_model[0].module.parameters()).device
-        ctrl = GRPOController(cfg.grpo, built.ddp_model, device, ps.get_data_parallel_group())
+        ctrl = GRPOController(cfg.grpo, built.ddp_model, device, grpo_data_parallel_group())
         ctrl.final_iteration = cfg.training.train_iters
         install(built.ddp_model, ctrl)
         opts = grpo_optimizers(built.optimizer)
@@ -136,4 +143,4 @@ def grpo_hooks(cfg):
 
 
 __all__ = ["GRPOBucketGroup", "GRPODistributedDataParallel", "GRPODistributedOptimizer",
-           "get_grpo_optimizer", "grpo_hooks", "install"]
+           "get_grpo_optimizer", "grpo_data_parallel_group", "grpo_hooks", "install"]

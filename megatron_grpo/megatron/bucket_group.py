@@ -37,6 +37,7 @@ from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketG
 from megatron_grpo.comm.dynamic import CompressedReduceScatter, compressed_param_gather
 from megatron_grpo.comm.hierarchical import InterInstanceAllReduce
 from megatron_grpo.comm.powersgd import PowerSGDReduceScatter
+from megatron_grpo.megatron.options import check_ddp_options, sum_scaling_factor
 
 
 class _Completed:
@@ -92,6 +93,17 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
             cache[i] = offsets if offsets.numel() else None
         return cache[i]
 
+    def _sum_factor(self, bucket) -> float:
+        """What a rank's gradient is scaled by before a collective GRPO issues, which *sums*:
+        megatron's ``gradient_scaling_factor``, and with ``average_in_collective`` (factor 1.0,
+        ReduceOp.AVG, a 1/n pre-multiplication in NCCL) the 1/n of the average over all
+        data-parallel x context-parallel ranks (intra-instance AVG, then inter-instance AVG)."""
+        size = self.intra_distributed_optimizer_instance_size
+        if self._hierarchical:
+            size *= self.inter_distributed_optimizer_instance_group.size()
+        return sum_scaling_factor(bucket.gradient_scaling_factor,
+                                  getattr(self.ddp_config, "average_in_collective", False), size)
+
     def _side_stream(self):
         stream = self.grpo.side_stream
         if stream is None:
@@ -113,9 +125,9 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
             carry = self.grpo.use_carry((self.grpo_unit, i))
             if carry is None:
                 continue
-            # Megatron scales by gradient_scaling_factor inside start_grad_sync; the carry is
-            # already scaled, so pre-divide it when the exact path will scale afterwards.
-            factor = b.gradient_scaling_factor
+            # Megatron scales by gradient_scaling_factor (or averages) inside start_grad_sync;
+            # the carry is already scaled, so pre-divide it when the exact path scales afterwards.
+            factor = self._sum_factor(b)
             value = carry if scale_first or factor == 1.0 else carry / factor
             if multiplier != 1.0:
                 value = value * multiplier
@@ -170,8 +182,9 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
 
     def _scale(self) -> None:
         for b in self.buckets:
-            if b.gradient_scaling_factor != 1.0:
-                b.grad_data *= b.gradient_scaling_factor
+            factor = self._sum_factor(b)
+            if factor != 1.0:
+                b.grad_data *= factor
 
     def _start_compressed_reduce(self, tier: str, compressor) -> None:
         """Dynamic, core with --grpo-core-compressor, or stable with --grpo-stable-mode
@@ -221,15 +234,15 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
 
     def _start_local_reduce(self, tier: str) -> None:
         """A periodic tier (local updates): megatron's exact reduce-scatter inside the instance
-        only; nothing crosses instances until the outer sync (megatron/outer.py). megatron's
-        scaling factor is 1/dp for a sum over all instances; one instance's sum is scaled by
+        only; nothing crosses instances until the outer sync (megatron/outer.py). The sum factor
+        (megatron's 1/dp, or the AVG's: ``_sum_factor``) is for a sum over all instances; one instance's sum is scaled by
         I/dp instead, so each instance steps on its own mean gradient. A carried residual (the
         unit left a per-step compressed tier) is owed to the mean over instances: I times it in
         one instance's gradient delivers it once on average."""
         ctrl = self.grpo
         instances = self.inter_distributed_optimizer_instance_group.size()
         for b in self.buckets:
-            b.grad_data *= b.gradient_scaling_factor * instances
+            b.grad_data *= self._sum_factor(b) * instances
         self._add_pending(scale_first=True, multiplier=float(instances))
         async_op = self.ddp_config.overlap_grad_reduce
         handles = []
@@ -256,7 +269,7 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
             acc = self.grpo.use_accumulator((self.grpo_unit, i))
             if acc is None:
                 continue
-            factor = b.gradient_scaling_factor
+            factor = self._sum_factor(b)
             # acc holds scaled gradients; megatron scales the current one inside start_grad_sync.
             b.grad_data.add_(acc[0] / factor if factor != 1.0 else acc[0])
             b.grad_data.div_(acc[1] + 1)
@@ -326,26 +339,31 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
 
 
 def install(ddp_chunks: list, controller) -> None:
-    """Turn every bucket group of the DDP chunks into a GRPOBucketGroup bound to ``controller``."""
+    """Turn every bucket group of the DDP chunks into a GRPOBucketGroup bound to ``controller``.
+    Refuses, before changing anything, the options GRPO does not carry (megatron/options.py)."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    grad_dtypes = {b.grad_data.dtype for unit in controller.units
+                   for b in getattr(unit.group, "buckets", [])}
     for chunk in ddp_chunks:
         if getattr(chunk.ddp_config, "overlap_param_gather", False):
             # The compressed parameter gather sends what this step's optimizer staged, and the
             # controller drops the staging (and may re-tier) at the end of the step; megatron's
             # overlapped gather would run in the next forward, after both.
-            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
             raise ValueError(f"rank {rank}: GRPO does not support "
                              f"overlap_param_gather (DistributedDataParallelConfig, "
                              f"--overlap-param-gather) yet: build the DDP model without it")
+        dp_cp = getattr(chunk, "dp_cp_group", None)
+        check_ddp_options(chunk.ddp_config, getattr(chunk, "config", None), grad_dtypes,
+                          getattr(controller, "dp_size", None),
+                          dp_cp.size() if dp_cp is not None else None, rank)
         instances = getattr(chunk.ddp_config, "num_distributed_optimizer_instances", 1)
         if instances == 1 and controller.config.periodic and controller.dp_size > 1:
-            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
             # --num-distributed-optimizer-instances 0 on a single node resolves to 1.
             raise ValueError(f"rank {rank}: GRPO's periodic tiers (--grpo-*-sync-interval > 1, "
                              f"--grpo-stable-mode local or --grpo-internode-preset) sync across "
                              f"distributed-optimizer instances, but this run has one: run on "
                              f"several nodes with --num-distributed-optimizer-instances 0, or set N > 1")
         if instances > 1:
-            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
             # Not built for the hierarchy yet: PowerSGD's factors are all-reduced over the flat
             # group, so they would reach the wrong ranks between instances.
             if controller.powersgd is not None:

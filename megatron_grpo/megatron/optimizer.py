@@ -28,6 +28,8 @@ import torch
 
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+from megatron_grpo.megatron.options import check_optimizer_options
+
 
 class GRPODistributedOptimizer(DistributedOptimizer):
     grpo = None  # GRPOController, bound by bind()
@@ -263,6 +265,7 @@ def get_grpo_optimizer(config, model_chunks, grpo_config=None, **kwargs):
     if not config.use_distributed_optimizer:
         raise ValueError("GRPO runs inside megatron's distributed optimizer: set "
                          "--use-distributed-optimizer (OptimizerConfig.use_distributed_optimizer=True)")
+    check_optimizer_options(config, torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
     original = mopt.DistributedOptimizer
     mopt.DistributedOptimizer = GRPODistributedOptimizer
     try:

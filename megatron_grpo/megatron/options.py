@@ -1,0 +1,93 @@
+"""Which megatron-core DDP, model and optimizer options GRPO runs under, and which it refuses.
+
+Each option a Megatron user may set is either carried correctly (and tested) or refused before
+GRPO changes anything (``install``, ``get_grpo_optimizer``), naming the option, the rank and
+what to do. Nothing is half supported: a run that starts does not crash or go wrong later.
+
+* ``grad_reduce_in_fp32=False`` with bf16/fp16 parameters (Megatron-LM without
+  ``--accumulate-allreduce-grads-in-fp32``): the gradient buffers are bf16. Error feedback keeps
+  fp32 residuals and adds them into the buffer, and the compressed sums are fp32; in a bf16
+  buffer c = g + r would be rounded to 8 bits of mantissa before it is compressed, which is
+  exactly the loss error feedback exists to carry. Refused (fp32 params give fp32 buffers
+  whatever the flag says: accepted).
+* ``average_in_collective=True``: megatron scales by 1.0 and reduces with ``ReduceOp.AVG``, which
+  NCCL implements for floats as a pre-multiplication of every input by 1/n before the sum.
+  GRPO's own collectives sum, so they pre-scale by ``sum_scaling_factor`` (1/n there): the same
+  place and order as megatron's exact path. Carried.
+* context parallelism: megatron reduces gradients over the data-parallel group *with* the
+  context-parallel ranks; the controller must use that group (the glue does). A controller
+  built on another group is refused, naming ``context_parallel_size``. Carried.
+* fp8 parameters (``TransformerConfig.fp8_param``, ``fp8_param_gather``,
+  ``reuse_grad_buf_for_mxfp8_param_ag``): megatron's optimizer quantises them in
+  ``quantize_param_shard``, which GRPO's parameter copy and compressed gather replace. Refused.
+  (fp8 compute with bf16 parameters is unaffected and allowed.)
+* the precision-aware optimizer (``use_precision_aware_optimizer``): the optimizer holds the
+  main parameters and reads ``decoupled_grad``, which GRPO's per-tier gradient skipping does not
+  clear and its parameter staging does not read. Refused.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+
+
+def sum_scaling_factor(gradient_scaling_factor: float, average_in_collective: bool,
+                       dp_size: int) -> float:
+    """The factor a rank's gradient is scaled by before a GRPO collective that *sums* over the
+    ``dp_size`` data-parallel (with context-parallel) ranks, so the result is what megatron's
+    own reduction gives: its bucket's ``gradient_scaling_factor`` and, when megatron averages in
+    the collective instead (factor 1.0, ``ReduceOp.AVG``), the 1/dp_size that AVG applies."""
+    if average_in_collective:
+        return gradient_scaling_factor / dp_size
+    return gradient_scaling_factor
+
+
+def check_ddp_options(ddp_config, tf_config, grad_dtypes: Iterable[torch.dtype],
+                      controller_dp_size: Optional[int], ddp_dp_size: Optional[int],
+                      rank: int) -> None:
+    """Raise ValueError for a DDP model GRPO cannot run correctly (see the module docstring).
+
+    ``grad_dtypes``: dtypes of the gradient buffers of GRPO's buckets; ``controller_dp_size``:
+    size of the controller's data-parallel group; ``ddp_dp_size``: size of the group megatron
+    reduces gradients over (data-parallel x context-parallel); None skips that comparison."""
+    bad = sorted({str(d).replace("torch.", "") for d in grad_dtypes if d != torch.float32})
+    if bad:
+        raise ValueError(
+            f"rank {rank}: GRPO needs fp32 gradient buffers, but this DDP model reduces gradients "
+            f"in {', '.join(bad)} (DistributedDataParallelConfig.grad_reduce_in_fp32="
+            f"{getattr(ddp_config, 'grad_reduce_in_fp32', None)}): error feedback adds fp32 "
+            f"residuals into the buffer and compresses it. Set grad_reduce_in_fp32=True "
+            f"(Megatron-LM: --accumulate-allreduce-grads-in-fp32)")
+    fp8 = [name for owner, name in ((tf_config, "fp8_param"), (ddp_config, "fp8_param_gather"),
+                                    (ddp_config, "reuse_grad_buf_for_mxfp8_param_ag"))
+           if getattr(owner, name, False)]
+    if fp8:
+        raise ValueError(
+            f"rank {rank}: GRPO does not support fp8 parameters ({', '.join(fp8)}; Megatron-LM "
+            f"--fp8-param-gather): megatron quantises them in its optimizer's parameter copy "
+            f"(quantize_param_shard), which GRPO's per-tier copy and compressed gather replace. "
+            f"Keep bf16 parameters (fp8 compute without --fp8-param-gather is fine)")
+    if controller_dp_size is not None and ddp_dp_size is not None and controller_dp_size != ddp_dp_size:
+        cp = getattr(tf_config, "context_parallel_size", 1)
+        raise ValueError(
+            f"rank {rank}: the GRPO controller's data-parallel group has {controller_dp_size} "
+            f"rank(s), but megatron's DDP reduces gradients over {ddp_dp_size} (data-parallel x "
+            f"context-parallel, context_parallel_size={cp}): build GRPOController with "
+            f"parallel_state.get_data_parallel_group(with_context_parallel=True)")
+
+
+def check_optimizer_options(opt_config, rank: int) -> None:
+    """Raise ValueError for an OptimizerConfig GRPO's distributed optimizer cannot carry."""
+    if getattr(opt_config, "use_precision_aware_optimizer", False):
+        raise ValueError(
+            f"rank {rank}: GRPO does not support the precision-aware optimizer "
+            f"(OptimizerConfig.use_precision_aware_optimizer, Megatron-LM "
+            f"--use-precision-aware-optimizer): that optimizer keeps the main parameters and reads "
+            f"gradients from decoupled_grad, which GRPO's per-tier gradient skipping and parameter "
+            f"staging do not reach. Run without it")
+    if getattr(opt_config, "reuse_grad_buf_for_mxfp8_param_ag", False):
+        raise ValueError(
+            f"rank {rank}: GRPO does not support fp8 parameters "
+            f"(OptimizerConfig.reuse_grad_buf_for_mxfp8_param_ag): keep bf16 parameters")
