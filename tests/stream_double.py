@@ -24,7 +24,9 @@ home is joined (home waited for it: ``wait_stream`` / ``wait_event``) or recorde
   home stream nor recorded;
 * a kernel that writes a storage another stream has a pending (not waited for) use of, or reads
   one another stream has a pending write to, raises ``StreamHazard``: the reuse of a buffer
-  while a pending kernel still reads or writes it, a race whatever the allocator does.
+  while a pending kernel still reads or writes it, a race whatever the allocator does
+  (``check_races=False`` turns this off where collectives run: the double does not model that
+  a collective's ``wait()`` makes the waiting stream wait for the one that issued it).
 
 Only the thread that entered the double is tracked (the offload store's copy threads are not).
 """
@@ -90,7 +92,8 @@ class _Kernels(TorchDispatchMode):
 class StreamDouble:
     """See the module docstring. Use as a context manager; ``on(stream)`` makes it current."""
 
-    def __init__(self) -> None:
+    def __init__(self, check_races: bool = True) -> None:
+        self.check_races = check_races
         self.main, self.side = FakeStream(self, "main"), FakeStream(self, "side")
         self.log = []
         self.cross_stream_frees = 0  # frees that were safe only because of record_stream
@@ -159,7 +162,7 @@ class StreamDouble:
                 if isinstance(t, torch.Tensor):
                     inputs[_key(t)] = inputs.get(_key(t), False) or bool(written)
         for key, written in inputs.items():
-            for other, (used, wrote) in self._uses.get(key, {}).items():
+            for other, (used, wrote) in (self._uses.get(key, {}).items() if self.check_races else ()):
                 if (written and self._pending(stream, other, used)) or self._pending(stream, other, wrote):
                     raise StreamHazard(
                         f"{func} on the {stream.name} stream {'writes' if written else 'reads'} a "
