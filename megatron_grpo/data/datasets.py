@@ -3,6 +3,8 @@
 :func:`build_gpt_datasets` is a thin, checked front end to megatron-core's
 ``BlendedMegatronDatasetBuilder(GPTDataset, ...)``. What it adds, and why:
 
+* damaged files named before megatron maps them (megatron_grpo.data.integrity: a truncated
+  ``.bin`` or ``.idx``, or a pair that does not match its ``.meta.json``);
 * clear errors before megatron runs. megatron only asserts, and a split that receives no
   document makes ``GPTDataset._get_num_epochs`` loop forever (it adds empty epochs until it has
   enough tokens), so every split that gets a share is checked to hold >= seq_length + 1 tokens;
@@ -32,6 +34,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_grpo.data.integrity import check_dataset_files
 from megatron_grpo.data.preprocess import dataset_paths, read_meta, sha256_file
 from megatron_grpo.data.tokenizer import Tokenizer, tokenizer_from_meta
 
@@ -136,9 +139,10 @@ def _read_meta_if_any(prefix: str) -> Optional[Dict[str, Any]]:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path} is missing: build dataset {prefix!r} with "
                                     f"`python launch/preprocess_data.py --input ... --output-prefix {prefix}`")
-    if not os.path.isfile(meta_path):
-        return None  # e.g. written by Megatron-LM's own tools: usable, just less checked
-    return read_meta(prefix)
+    meta = read_meta(prefix) if os.path.isfile(meta_path) else None  # None: e.g. Megatron-LM's tools
+    # Truncated or mismatched files are named now, not when a sample reaches the damage.
+    check_dataset_files(prefix, meta)
+    return meta
 
 
 def _content_key(prefixes: Sequence[str], metas: Sequence[Optional[Dict[str, Any]]]) -> str:

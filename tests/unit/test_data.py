@@ -327,6 +327,74 @@ def test_build_gpt_datasets_empty_split_errors(tmp_path):
         build_gpt_datasets([prefix], split="50,50,0", valid_samples=2, tokenizer=tok, **common)
 
 
+def _truncate(path, by):
+    size = os.path.getsize(path)
+    with open(path, "r+b") as fh:
+        fh.truncate(size - by)
+    return size
+
+
+DAMAGE_ARGS = dict(split="90,10,0", seq_length=64, seed=1234, train_samples=50, valid_samples=10)
+
+
+def test_truncated_bin_is_named_at_build_time(tmp_path):
+    # 4 KiB short: before, training ran until a sample reached the missing tail (the first
+    # evaluation: validation documents are the last ones), then died in megatron's reader.
+    folder, _ = _corpus(tmp_path, n_docs=120)
+    prefix = str(tmp_path / "ds")
+    meta = preprocess([folder], prefix)
+    size = _truncate(prefix + ".bin", 4096)
+    expected = (f"{prefix}.bin has {size - 4096} bytes, 4096 fewer than the {size} that its index "
+                f"{prefix}.idx refers to ({meta['num_tokens']} uint16 tokens in {meta['num_docs']} "
+                f"documents): the file is truncated (an interrupted copy, or a full disk while it was "
+                f"written). Rebuild dataset {prefix!r}: run `python launch/preprocess_data.py")
+    with pytest.raises(ValueError) as err:
+        build_gpt_datasets([prefix], cache_dir=str(tmp_path / "cache"), **DAMAGE_ARGS)
+    assert str(err.value).startswith(expected), str(err.value)
+    assert not os.path.exists(tmp_path / "cache")  # refused before megatron built anything
+    # Data written by Megatron-LM's own tools has no .meta.json: checked against the index alone.
+    os.remove(prefix + ".meta.json")
+    with pytest.raises(ValueError, match=r"ds\.bin has \d+ bytes, 4096 fewer than"):
+        build_gpt_datasets([prefix], cache_dir=str(tmp_path / "cache"), tokenizer=ByteTokenizer(),
+                           **DAMAGE_ARGS)
+
+
+@pytest.mark.parametrize("cut", [100, "header"])
+def test_truncated_idx_is_named_at_build_time(tmp_path, cut):
+    # Before: megatron's "buffer is smaller than requested size", naming no file.
+    folder, _ = _corpus(tmp_path, n_docs=120)
+    prefix = str(tmp_path / "ds")
+    meta = preprocess([folder], prefix)
+    size = os.path.getsize(prefix + ".idx")
+    _truncate(prefix + ".idx", 100 if cut == 100 else size - 20)
+    with pytest.raises(ValueError) as err:
+        build_gpt_datasets([prefix], cache_dir=str(tmp_path / "cache"), **DAMAGE_ARGS)
+    if cut == 100:
+        head = (f"{prefix}.idx has {size - 100} bytes, but its header describes {meta['num_docs']} "
+                f"sequences and {meta['num_docs'] + 1} document indices ({size} bytes): the file is truncated")
+    else:
+        head = (f"{prefix}.idx has 20 bytes, fewer than the 34-byte header of a megatron index: the "
+                f"file is truncated")
+    assert str(err.value).startswith(head), str(err.value)
+    assert "launch/preprocess_data.py" in str(err.value) and f"--output-prefix {prefix}" in str(err.value)
+
+
+def test_bin_and_idx_that_disagree_with_the_meta_are_named(tmp_path):
+    # A pair from another build under the old .meta.json (copied in one by one, say).
+    folder, _ = _corpus(tmp_path, n_docs=120)
+    prefix, other = str(tmp_path / "ds"), str(tmp_path / "other")
+    meta = preprocess([folder], prefix)
+    _, few = _corpus(tmp_path / "few", n_docs=30)
+    preprocess([str(tmp_path / "few" / "corpus")], other)
+    for ext in (".bin", ".idx"):
+        os.replace(other + ext, prefix + ext)
+    with pytest.raises(ValueError) as err:
+        build_gpt_datasets([prefix], cache_dir=str(tmp_path / "cache"), **DAMAGE_ARGS)
+    assert str(err.value).startswith(
+        f"{prefix}.idx describes 30 documents, but {prefix}.meta.json records {meta['num_docs']}: "
+        f"the files are not from one build"), str(err.value)
+
+
 @pytest.fixture(scope="module")
 def default_corpus_prefix(tmp_path_factory):
     prefix = str(tmp_path_factory.mktemp("stdlib") / "stdlib")
