@@ -98,11 +98,12 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
         megatron's ``gradient_scaling_factor``, and with ``average_in_collective`` (factor 1.0,
         ReduceOp.AVG, a 1/n pre-multiplication in NCCL) the 1/n of the average over all
         data-parallel x context-parallel ranks (intra-instance AVG, then inter-instance AVG)."""
+        if not getattr(self.ddp_config, "average_in_collective", False):
+            return bucket.gradient_scaling_factor
         size = self.intra_distributed_optimizer_instance_size
         if self._hierarchical:
             size *= self.inter_distributed_optimizer_instance_group.size()
-        return sum_scaling_factor(bucket.gradient_scaling_factor,
-                                  getattr(self.ddp_config, "average_in_collective", False), size)
+        return sum_scaling_factor(bucket.gradient_scaling_factor, True, size)
 
     def _side_stream(self):
         stream = self.grpo.side_stream
