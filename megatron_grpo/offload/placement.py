@@ -15,8 +15,10 @@ backward. Core units stay resident.
 
 State is placed in groups keyed ``(unit index, kind)``: kind ``master`` or ``moments``.
 
-Evicting frees memory for real: once every chunk of a tensor is safely away its storage is
-resized to zero bytes (the tensor keeps its shape and identity, so the optimizer and megatron
+Evicting frees memory for real: once every chunk of a tensor is safely away (its eviction
+Futures completed: on CUDA the store's copy stream has finished reading it, so the caching
+allocator may hand the block to the next allocation at once) its storage is resized to zero
+bytes (the tensor keeps its shape and identity, so the optimizer and megatron
 still hold the same objects); prefetching allocates it again and copies the bytes back, bit for
 bit. Torch does not check a kernel's reads against a zero-byte storage, so reading an evicted
 tensor is undefined (it can crash): everything that reads this state goes through ``ensure()``
@@ -255,6 +257,8 @@ class TierPlacement:
 
     def _fetch(self, unit: _Unit) -> None:
         if unit.state == AWAY:
+            # Allocated on this thread's stream before the prefetch is asked for: the store's
+            # copy stream waits for an event recorded after it (offload/copy_stream.py).
             for t in unit.tensors:
                 t.tensor.untyped_storage().resize_(t.nbytes)
         # From EVICTING the bytes were never freed; the store runs this move after the

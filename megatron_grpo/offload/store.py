@@ -14,6 +14,12 @@ parallel. The caller never blocks: workers wait for a staging buffer, and there 
 A move that fails leaves the chunk where it was, valid; its error is set on the Future and kept
 for ``check()``/``wait_all()``, so nothing fails silently. Training uses it through
 offload/placement.py and offload/residuals.py (docs/offload.md).
+
+On CUDA, device <-> host copies run on the store's own copy stream, ordered by events against
+the stream of the thread that asked for the move (offload/copy_stream.py has the rules), so
+they overlap training's kernels; a move's Future completes only once its copy has landed. Host
+copies of chunks in ``cpu`` come from a bounded pool of reused (pinned) buffers
+(offload/host_pool.py). On CPU neither is used: copies are plain ``copy_`` calls.
 """
 
 from __future__ import annotations
@@ -25,16 +31,21 @@ import warnings
 import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from .config import OffloadConfig
+from .copy_stream import CopyStream
+from .host_pool import HostPool
 from .slot_file import (OffloadCapacityError, OffloadDirError, OffloadError, SlotFile,
                         StagingPool, align_up, host_tensor)
 
 LOCATIONS = ("device", "cpu", "ssd")
 DIRECTIONS = ("device_to_cpu", "cpu_to_device", "to_ssd", "from_ssd")
+# Free pinned host buffers kept for the next evictions to host memory (CUDA). On CPU none are
+# kept: plain host memory is cheap to allocate, and a kept buffer is resident-set memory.
+HOST_POOL_BUFFERS = 8
 
 
 class OffloadIOError(OffloadError):
@@ -68,10 +79,26 @@ class _Chunk:
                 f"{self.nbytes} bytes)")
 
 
-class ChunkStore:
-    """Device / host / SSD chunk store of one rank. See the module docstring and docs/offload.md."""
+class _Clock:
+    """A move's busy time, less what it spent waiting for the producer's kernels."""
 
-    def __init__(self, config: OffloadConfig, rank: Optional[int] = None):
+    def __init__(self):
+        self.excluded = 0.0
+
+    def exclude(self, seconds: float) -> None:
+        self.excluded += seconds
+
+
+class ChunkStore:
+    """Device / host / SSD chunk store of one rank. See the module docstring and docs/offload.md.
+
+    ``copy_streams``: ``device -> CopyStream`` for every device (tests pass a stream double);
+    default: a CopyStream for CUDA devices, none on CPU. ``host_pool_buffers``: free host
+    buffers kept for reuse (default HOST_POOL_BUFFERS with CUDA, 0 without)."""
+
+    def __init__(self, config: OffloadConfig, rank: Optional[int] = None,
+                 copy_streams: Optional[Callable[[torch.device], CopyStream]] = None,
+                 host_pool_buffers: Optional[int] = None):
         self.config = config.validate()
         if rank is None:
             dist = torch.distributed
@@ -92,6 +119,12 @@ class ChunkStore:
                 self.ssd_fallback = str(exc)
                 warnings.warn(f"{exc} Falling back: chunks evicted to ssd stay in host memory.")
         self._staging = StagingPool(config.staging_buffers, self.chunk_bytes, self.pinned)
+        if host_pool_buffers is None:
+            host_pool_buffers = HOST_POOL_BUFFERS if self.pinned else 0
+        # host_tensor looked up at each call (tests count allocations by replacing it).
+        self._host = HostPool(host_pool_buffers, self.pinned, lambda n, p: host_tensor(n, p))
+        self._stream_factory = copy_streams
+        self._copy_streams: Dict[str, CopyStream] = {}
         self._chunks: Dict[int, _Chunk] = {}
         self._names: Dict[str, List[int]] = {}
         self._lock = threading.Lock()
@@ -188,8 +221,11 @@ class ChunkStore:
         with self._lock:
             if chunk.offset is not None and (chunk.location == "ssd" or chunk.shadow):
                 self.file.extents.release(chunk.offset, chunk.nbytes)
+            released = chunk.host
             chunk.location, chunk.host, chunk.offset, chunk.crc, chunk.shadow = \
                 "device", None, None, None, False
+        if released is not None:
+            self._host.give(released)
 
     def wait_all(self, timeout: Optional[float] = None) -> None:
         """Wait for every move asked for so far, then raise the first unreported error."""
@@ -205,8 +241,23 @@ class ChunkStore:
         if error is not None:
             raise error
 
+    def _copy_stream(self, device: torch.device) -> Optional[CopyStream]:
+        if self._stream_factory is None and device.type != "cuda":
+            return None
+        key = str(device)
+        with self._lock:
+            stream = self._copy_streams.get(key)
+            if stream is None:
+                stream = (self._stream_factory or CopyStream)(device)
+                self._copy_streams[key] = stream
+        return stream
+
     def _schedule(self, chunk: _Chunk, target: str) -> cf.Future:
         self._check_open()
+        stream = self._copy_stream(chunk.view.device)
+        # Recorded now, on the asking thread's stream: the copy follows the kernels that wrote
+        # the bytes (evict) or the allocation it writes into (prefetch), nothing later.
+        copy = (stream, stream.mark()) if stream is not None else None
         result: cf.Future = cf.Future()
         with self._lock:
             previous, chunk.tail = chunk.tail, result
@@ -215,7 +266,7 @@ class ChunkStore:
 
         def start(_previous=None) -> None:
             try:
-                self._pool.submit(self._run, chunk, target, result)
+                self._pool.submit(self._run, chunk, target, result, copy)
             except RuntimeError as exc:  # pool already shut down: report, do not drop
                 if result.set_running_or_notify_cancel():
                     result.set_exception(OffloadError(f"offload (rank {self.rank}): "
@@ -232,12 +283,12 @@ class ChunkStore:
         with self._lock:
             self._pending.discard(future)
 
-    def _run(self, chunk: _Chunk, target: str, result: cf.Future) -> None:
+    def _run(self, chunk: _Chunk, target: str, result: cf.Future, copy) -> None:
         if not result.set_running_or_notify_cancel():
             return
         source = chunk.location
         try:
-            self._move(chunk, target)
+            self._move(chunk, target, copy)
         except BaseException as exc:  # noqa: B902 - every failure must reach the caller
             if not isinstance(exc, OffloadError):
                 where = self.file.path if self.file is not None else "host memory"
@@ -256,32 +307,49 @@ class ChunkStore:
         else:
             result.set_result(chunk.location)
 
-    def _move(self, chunk: _Chunk, target: str) -> None:
+    def _move(self, chunk: _Chunk, target: str, copy) -> None:
         # Runs on a worker; moves of one chunk never overlap (chained), so the chunk's fields
         # are read without the lock and committed under it, only after the data is in place.
+        # ``copy`` (stream, mark) is used for the copies that read or write the chunk's device
+        # bytes only; host <-> host copies are plain.
         source = chunk.location
         if source == target or (source == "device" and target == "device+keep"):
             return
         if target == "cpu":
-            host = host_tensor(chunk.nbytes, self.pinned)
+            host = self._host.take(chunk.nbytes)
             if source == "device":
-                with self._timed("device_to_cpu", chunk.nbytes):
-                    host.copy_(chunk.view)
+                with self._timed("device_to_cpu", chunk.nbytes) as clock:
+                    self._copy(host, chunk.view, copy, clock)
             else:
-                self._read(chunk, host)
+                self._read(chunk, host, None)
             self._commit(chunk, "cpu", host=host)
         elif target == "ssd":
-            self._write(chunk, chunk.view if source == "device" else chunk.host)
+            if source == "device":
+                self._write(chunk, chunk.view, copy)
+            else:
+                self._write(chunk, chunk.host, None)
         else:
             if source == "cpu":
-                with self._timed("cpu_to_device", chunk.nbytes):
-                    chunk.view.copy_(chunk.host)
+                with self._timed("cpu_to_device", chunk.nbytes) as clock:
+                    self._copy(chunk.view, chunk.host, copy, clock)
                 self._commit(chunk, "device", keep=target == "device+keep")
             else:
-                self._read(chunk, chunk.view)
+                self._read(chunk, chunk.view, copy)
                 self._commit(chunk, "device", keep=target == "device+keep")
 
-    def _write(self, chunk: _Chunk, source: torch.Tensor) -> None:
+    @staticmethod
+    def _copy(dst: torch.Tensor, src: torch.Tensor, copy: Optional[Tuple], clock: _Clock) -> None:
+        """dst <- src, landed when this returns. On a copy stream the worker waits for the
+        copy's events (its thread only); the time the stream waited for the producer's kernels
+        is not copy time."""
+        if copy is None:
+            dst.copy_(src)
+            return
+        stream, mark = copy
+        waited, _ = stream.run(dst, src, mark)
+        clock.exclude(waited)
+
+    def _write(self, chunk: _Chunk, source: torch.Tensor, copy) -> None:
         nbytes, padded = chunk.nbytes, align_up(chunk.nbytes)
         with self._lock:
             offset = self.file.extents.allocate(nbytes)
@@ -293,8 +361,8 @@ class ChunkStore:
                 f"(OffloadConfig.capacity) or evict fewer chunks to ssd; the chunk stays in "
                 f"{chunk.location}.")
         try:
-            with self._staging.buffer() as buf, self._timed("to_ssd", padded):
-                buf[:nbytes].copy_(source)
+            with self._staging.buffer() as buf, self._timed("to_ssd", padded) as clock:
+                self._copy(buf[:nbytes], source, copy, clock)  # landed before the checksum
                 buf[nbytes:padded].zero_()  # padding is written too: never leak stale bytes
                 view = memoryview(buf.numpy())
                 crc = zlib.crc32(view[:nbytes])
@@ -305,9 +373,9 @@ class ChunkStore:
             raise
         self._commit(chunk, "ssd", offset=offset, crc=crc)
 
-    def _read(self, chunk: _Chunk, into: torch.Tensor) -> None:
+    def _read(self, chunk: _Chunk, into: torch.Tensor, copy) -> None:
         nbytes, padded = chunk.nbytes, align_up(chunk.nbytes)
-        with self._staging.buffer() as buf, self._timed("from_ssd", padded):
+        with self._staging.buffer() as buf, self._timed("from_ssd", padded) as clock:
             view = memoryview(buf.numpy())
             self.file.read(view[:padded], chunk.offset)
             crc = zlib.crc32(view[:nbytes])
@@ -319,7 +387,8 @@ class ChunkStore:
                     f"the chunk cannot be recovered from this store. Check the disk (dmesg, "
                     f"smartctl), move --grpo-offload-dir to another disk, and restart from the "
                     f"last checkpoint.")
-            into.copy_(buf[:nbytes])
+            # Landed before the staging buffer goes back to the pool (the next read reuses it).
+            self._copy(into, buf[:nbytes], copy, clock)
 
     def _commit(self, chunk: _Chunk, location: str, host: Optional[torch.Tensor] = None,
                 offset: Optional[int] = None, crc: Optional[int] = None, keep: bool = False) -> None:
@@ -330,15 +399,19 @@ class ChunkStore:
             held = chunk.offset if (chunk.location == "ssd" or chunk.shadow) else None
             if held is not None and held != offset:
                 self.file.extents.release(held, chunk.nbytes)
+            released = chunk.host if chunk.host is not host else None
             chunk.location, chunk.host, chunk.offset, chunk.crc = location, host, offset, crc
             chunk.shadow = False
+        if released is not None:
+            self._host.give(released)  # every copy from it has landed: free for reuse
 
     @contextmanager
     def _timed(self, direction: str, nbytes: int):
         start = time.perf_counter()
-        yield
+        clock = _Clock()
+        yield clock
         with self._lock:
-            self._seconds[direction] += time.perf_counter() - start
+            self._seconds[direction] += time.perf_counter() - start - clock.excluded
             self._bytes[direction] += nbytes
 
     # ---- bookkeeping --------------------------------------------------------------------
@@ -367,6 +440,8 @@ class ChunkStore:
                             "peak_in_use": self._staging.peak_in_use},
                 "pinned": self.pinned,
                 "pending": len(self._pending),
+                "host_pool": self._host.stats(),
+                "copy_streams": len(self._copy_streams),
             }
 
     def _chunk(self, chunk_id: int) -> _Chunk:
@@ -392,10 +467,13 @@ class ChunkStore:
             pending = list(self._pending)
         cf.wait(pending)
         self._pool.shutdown(wait=True)
+        for stream in self._copy_streams.values():
+            stream.close()  # nothing queued may still use the buffers freed below
         if self.file is not None:
             self.file.close()
         for c in self._chunks.values():
             c.host = None
+        self._host.close()
 
     def __enter__(self) -> "ChunkStore":
         return self

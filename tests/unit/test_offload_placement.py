@@ -223,3 +223,24 @@ def test_a_flipped_byte_in_the_file_stops_the_step_naming_file_chunk_and_rank(tm
         assert "'unit0/master'" in text and "restart from the last checkpoint" in text
     finally:
         p.store.close()
+
+
+def test_hidden_share_is_the_copy_time_the_step_did_not_wait_for(tmp_path):
+    """offload_hidden_share = 1 - stall / copy busy time, per step (the device check prints it)."""
+    p = make(tmp_path, "cpu")
+    try:
+        zero = {d: 0 for d in ("device_to_cpu", "cpu_to_device", "to_ssd", "from_ssd")}
+        p._last_stats = {**p.store.stats(), "bytes": dict(zero), "seconds": {d: 0.0 for d in zero}}
+        now = {**p.store.stats(),
+               "bytes": {**zero, "device_to_cpu": 3_000_000, "cpu_to_device": 1_000_000},
+               "seconds": {"device_to_cpu": 0.3, "cpu_to_device": 0.5, "to_ssd": 0.0, "from_ssd": 0.2}}
+        p.store.stats = lambda: now
+        p.stall_s = 0.25
+        m = p.step_metrics()
+        assert m["offload_io_busy_s"] == pytest.approx(1.0) and m["offload_stall_s"] == 0.25
+        assert m["offload_hidden_share"] == pytest.approx(0.75)
+        assert m["offload_write_gbps"] == pytest.approx(3e6 / 0.3 / 1e9)
+        assert m["offload_read_gbps"] == pytest.approx(1e6 / 0.7 / 1e9)
+    finally:
+        del p.store.stats
+        p.close()
