@@ -1,26 +1,30 @@
-"""GPU check with assertions (issue 8 item 5): one CUDA device, under 8 minutes, exit 1 on any FAIL.
+"""Device check of the GPU path (issue 27, item 9): one CUDA device, about 8 minutes, five phases.
 
-    bash launch/gpu_check.sh                  # the usual entry (installs .whl/*.whl if present)
-    python launch/gpu_check.py [--out DIR] [--only NAME ...] [--skip NAME ...] [--budget-s 480]
-    python launch/gpu_check.py --list         # the checks, one per line: NAME  NUMBER  TITLE
+    bash launch/gpu_check.sh                     # the usual entry (OUT=... for the logs)
+    bash launch/gpu_check.sh --cpu               # the CPU dry run (in the default test suite)
+    bash launch/gpu_check.sh --fetch-wheels      # fill .whl/ (network; before a device loan)
+    python launch/gpu_check.py [--cpu] [--phases a b ...] [--out DIR] [--budget-s 480]
+    python launch/gpu_check.py --list
 
-Every check prints PASS or FAIL with its numbers, or SKIP with the reason when a prerequisite is
-missing (transformer-engine not importable, no memory tier yet); a SKIP is never a PASS. The
-final table is printed and written to OUT/summary.txt (OUT/results.json for machines); logs of
-every command are under OUT (default /tmp/gpu_out, or $OUT).
+Phases (launch/gpu_checks/phase_<x>.py say what each asserts):
+  a  wheels carried in .whl/ installed, versions printed
+  b  tensor checks on the device vs the CPU (compressors, error feedback, importance, streams),
+     GRPO's collectives over NCCL at world size 1 vs gloo/CPU with async handles, a
+     release-while-pending stress test, FusedAdam step counts with the memory tier
+  c  tiny bf16 model on 1 rank: GRPO's warm-up = the baseline bit for bit; memory tier on = off
+  d  2 ranks on the one device (gloo with CUDA tensors): weight hash after every step, counted
+     bytes = the planner's, memory tier on = off, the hierarchical (2-instance) path
+  e  ~300M bf16 model, 2 ranks, 20 steps: step time and peak memory vs the baseline, a
+     monitoring step
 
-Exit status: 0 when no check failed, 1 when one did, 2 when nothing could be checked (no CUDA
-device: torch.cuda.is_available() is False; or bad arguments).
+Each phase asserts numbers, prints one table and writes OUT/phase_<x>.log; OUT/summary.txt and
+OUT/results.json close the run (7 files: the device machine returns at most 8). Every process
+has a timeout inside the whole budget. The runs of b, c and d share the device at once; e runs
+alone. ``--cpu`` runs the same logic on the CPU with gloo and a smaller model: a to d for real
+(b's CUDA-only parts skipped), e's analysis on recorded-shape numbers.
 
-Checks that only need tensors run each in a subprocess of their own (``--worker NAME``), so a
-crash or a hung kernel costs that check alone and is cut off by its timeout. The training runs
-(torchrun, one process) and the compressor benchmark are subprocesses with timeouts too; each
-command's timeout is its own cap or what is left of the budget, whichever is smaller, and a
-check that cannot start within the budget is a FAIL, not a SKIP.
-
-This file is the runner (CLI, budget, subprocesses, summary table, results.json); the checks are
-in launch/gpu_checks/: tensor_checks.py (the ``--worker`` checks), run_checks.py (training runs,
-bench_compress, transformer-engine spec, offload, budget), common.py (what they share).
+Exit status: 0 no phase failed; 1 a phase failed; 2 nothing checked (no CUDA device without
+--cpu, or bad arguments).
 """
 
 from __future__ import annotations
@@ -28,250 +32,187 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 import traceback
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HERE = os.path.dirname(os.path.abspath(__file__))  # launch/: holds the gpu_checks package
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-if HERE not in sys.path:  # already sys.path[0] when run as a script; not when loaded from a file
-    sys.path.append(HERE)
+HERE = os.path.dirname(os.path.abspath(__file__))
+for _path in (ROOT, HERE):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
-from gpu_checks.common import (BUDGET_S, CHECK_BY_NAME, CHECKS, DP_GOAL, EXIT_FAIL,  # noqa: E402
-                               EXIT_NOTHING_CHECKED, EXIT_OK, OFFLOAD_SKIP, STRICT_ENV, Check,
-                               CheckSkipped, Command, Expect, Result)
-from gpu_checks.run_checks import (HOST, PAIRS, RUNS, Run, TrainingRuns,  # noqa: E402
-                                   analyze_grpo_timing, analyze_pair, parse_bench_bucket,
-                                   parse_bench_goal)
-from gpu_checks.tensor_checks import WORKERS, build_test_controller  # noqa: E402
-
-__all__ = [  # the names tests/unit/test_gpu_check_script.py and callers use from this module
-    "BUDGET_S", "CHECK_BY_NAME", "CHECKS", "DP_GOAL", "EXIT_FAIL", "EXIT_NOTHING_CHECKED", "EXIT_OK",
-    "OFFLOAD_SKIP", "STRICT_ENV", "Check", "CheckSkipped", "Command", "Expect", "Result", "HOST",
-    "PAIRS", "RUNS", "Run", "analyze_grpo_timing", "analyze_pair", "parse_bench_bucket",
-    "parse_bench_goal", "WORKERS", "build_test_controller", "Context", "worker_main", "run_worker",
-    "run_host", "summary_table", "cuda_status", "list_checks", "main",
-]
-
-
-def worker_main(name: str, result_path: str) -> int:
-    """``--worker NAME``: run one tensor check in this process, write its result as JSON."""
-    ex = Expect()
-    status, reason = "FAIL", ""
-    try:
-        import torch
-
-        if not torch.cuda.is_available():  # the orchestrator saw one: not a missing prerequisite
-            raise RuntimeError("this worker process sees no CUDA device")
-        WORKERS[name](ex, "cuda")
-        status = ex.status()
-    except CheckSkipped as exc:
-        status, reason = "SKIP", str(exc)
-    except Exception as exc:  # a crash is a FAIL with its traceback in the log
-        traceback.print_exc()
-        ex.failures.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
-    with open(result_path, "w") as fh:
-        json.dump({"status": status, "reason": reason, "failures": ex.failures,
-                   "lines": ex.lines, "numbers": ex.numbers, "summary": ex.summary()}, fh)
-    return 0
-
-
-# ====================================================================== runner
-class Context(TrainingRuns):
-    """The budget, the command runner and the state the checks share (run_checks.TrainingRuns)."""
-
-    def __init__(self, args) -> None:
-        self.out = os.path.abspath(args.out)
-        self.data_dir = os.path.abspath(args.data_dir)
-        self.started = args.started_at if args.started_at else time.time()
-        self.deadline = self.started + args.budget_s
-        self.budget_s = args.budget_s
-        self.runs: Dict[str, Run] = {}
-        self.data_ready: Optional[bool] = None
-        self.data_error = ""
-        self.te: Optional[tuple] = None
-        self.results: List[Result] = []
-
-    def remaining(self) -> float:
-        return self.deadline - time.time()
-
-    def command(self, name: str, argv: List[str], cap_s: float, env: Optional[Dict] = None) -> Command:
-        """Run ``argv`` from the repository root with a timeout (its cap, or what is left of the
-        budget), stdout and stderr to OUT/name.log; a timeout kills its whole process group."""
-        log = os.path.join(self.out, f"{name}.log")
-        limit = max(1.0, min(cap_s, self.remaining() - 3.0))
-        full_env = dict(os.environ)
-        full_env.pop("MEGATRON_GRPO_FORCE_CPU", None)
-        full_env.setdefault("PYTHONUNBUFFERED", "1")
-        full_env.update(env or {})
-        t0 = time.time()
-        with open(log, "w") as fh:
-            fh.write("$ " + " ".join(argv) + "\n")
-            fh.flush()
-            proc = subprocess.Popen(argv, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT,
-                                    env=full_env, start_new_session=True)
-            try:
-                rc: Optional[int] = proc.wait(timeout=limit)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                timed_out, rc = True, None
-                for sig in (signal.SIGTERM, signal.SIGKILL):
-                    try:
-                        os.killpg(proc.pid, sig)
-                    except ProcessLookupError:
-                        break
-                    try:
-                        proc.wait(timeout=10)
-                        break
-                    except subprocess.TimeoutExpired:
-                        continue
-        return Command(rc, timed_out, time.time() - t0, log, limit)
-
-    def run_worker(self, check: Check) -> Result:
-        """Run the tensor check ``check`` in a subprocess (``--worker``) and read its result."""
-        path = os.path.join(self.out, f"{check.name}.result.json")
-        if os.path.exists(path):
-            os.remove(path)
-        t0 = time.time()
-        cmd = self.command(check.name, [sys.executable, os.path.abspath(__file__), "--worker",
-                                       check.name, "--result", path], check.cap_s)
-        elapsed = time.time() - t0
-        if not os.path.exists(path):
-            why = (f"timed out after {cmd.limit_s:.0f} s" if cmd.timed_out
-                   else f"worker died (rc {cmd.rc}) without a result")
-            return Result(check.name, "FAIL", elapsed, f"{why}; log {cmd.log}: {cmd.tail()}")
-        with open(path) as fh:
-            data = json.load(fh)
-        for line in data["lines"]:
-            print(line, flush=True)
-        summary = data["reason"] if data["status"] == "SKIP" else data["summary"]
-        return Result(check.name, data["status"], elapsed, summary, data["lines"], data["numbers"])
-
-
-def run_worker(ctx: Context, check: Check) -> Result:
-    return ctx.run_worker(check)
-
-
-def run_host(ctx: Context, check: Check) -> Result:
-    ex = Expect()
-    t0 = time.time()
-    try:
-        HOST[check.name](ex, ctx)
-        status = ex.status()
-        summary = ex.summary()
-    except CheckSkipped as exc:
-        status, summary = "SKIP", str(exc)
-    except Exception as exc:
-        traceback.print_exc()
-        status, summary = "FAIL", f"{type(exc).__name__}: {exc}"[:500]
-    return Result(check.name, status, time.time() - t0, summary, ex.lines, ex.numbers)
-
-
-def summary_table(results: List[Result], total_s: float) -> str:
-    lines = [f"{'#':4} {'check':24} {'status':6} {'time s':>7}  result", "-" * 100]
-    for r in results:
-        c = CHECK_BY_NAME[r.name]
-        lines.append(f"{c.number:4} {r.name:24} {r.status:6} {r.elapsed_s:7.1f}  {r.summary[:300]}")
-    counts = {s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "SKIP")}
-    lines.append("-" * 100)
-    lines.append(f"{counts['PASS']} PASS, {counts['FAIL']} FAIL, {counts['SKIP']} SKIP in "
-                 f"{total_s:.1f} s")
-    return "\n".join(lines)
+from gpu_checks import phase_a, phase_b, phase_c, phase_d, phase_e  # noqa: E402
+from gpu_checks.common import (BUDGET_S, CPU_BUDGET_S, EXIT_FAIL, EXIT_NOTHING_CHECKED,  # noqa: E402
+                               EXIT_OK, PHASES, TITLES, CheckSkipped, Expect, Result, table)
+from gpu_checks.runs import Context, run_pool  # noqa: E402
 
 
 def cuda_status() -> tuple:
-    """(available, description) of this machine's CUDA, without building anything."""
+    """(available, description) of this machine's CUDA, without creating a context."""
     try:
         import torch
     except ImportError as exc:
         return False, f"torch is not importable ({exc})"
-    built = torch.version.cuda
     if not torch.cuda.is_available():
-        return False, (f"torch {torch.__version__} (CUDA build: {built or 'none, a CPU-only build'}): "
-                       f"torch.cuda.is_available() is False")
-    return True, (f"torch {torch.__version__}, CUDA {built}, {torch.cuda.device_count()} device(s), "
-                  f"device 0: {torch.cuda.get_device_name(0)}")
+        built = torch.version.cuda or "none, a CPU-only build"
+        return False, f"torch {torch.__version__} (CUDA build: {built}): torch.cuda.is_available() is False"
+    return True, f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.device_count()} device(s)"
 
 
-def list_checks() -> str:
-    return "\n".join(f"{c.name:24} {c.number:4} {c.title}" for c in CHECKS)
+def run_phase(ctx: Context, key: str, body: Callable[[Expect], tuple], spent_s: float = 0.0) -> Result:
+    """Run one phase's ``body(ex) -> (table, extra log lines)``; print its table; write its log.
+    ``spent_s``: time its processes took before (workers, training runs), counted as its own."""
+    print(f"\n=== phase {key}: {TITLES[key]}", flush=True)
+    ex, t0 = Expect(), time.time()
+    text, extra = "", []
+    if ctx.remaining() < 10:
+        ex.that(False, f"not started: the {ctx.budget_s:.0f} s budget is spent")
+    else:
+        try:
+            text, extra = body(ex)
+        except CheckSkipped as exc:
+            ex.skip_part(str(exc))
+        except Exception as exc:  # a crash of the phase's own code is its FAIL, with the traceback
+            extra = [traceback.format_exc()]
+            print(extra[0], flush=True)
+            ex.that(False, f"phase {key} crashed: {type(exc).__name__}: {exc}"[:400])
+    status = ex.status() if (ex.asserted or not ex.skips) else "SKIP"
+    if text:
+        print(f"\n--- phase {key} table\n{text}", flush=True)
+    res = Result(key, status, time.time() - t0 + spent_s, ex.summary(), text, ex.lines, ex.numbers)
+    print(f"--- phase {key}: {status} ({res.elapsed_s:.1f} s) {res.summary}", flush=True)
+    with open(os.path.join(ctx.out, f"phase_{key}.log"), "w") as fh:
+        fh.write(f"phase {key}: {TITLES[key]}\nstatus {status}, {res.elapsed_s:.1f} s\n\n")
+        fh.write("\n".join(ex.lines) + "\n\n" + text + "\n\n" + "\n".join(extra) + "\n")
+    return res
+
+
+def run_all(ctx: Context, phases: List[str]) -> List[Result]:
+    results: List[Result] = []
+    if "a" in phases:
+        results.append(run_phase(ctx, "a", lambda ex: phase_a.run(ex, ctx)))
+    workers: Dict[str, Dict] = {}
+    workers_s = 0.0
+    if "b" in phases:
+        print("\n=== phase b workers (alone on the device: the stream checks time kernels)", flush=True)
+        t0 = time.time()
+        workers = phase_b.run_workers(ctx)
+        workers_s = time.time() - t0
+    pooled = {"d": phase_d.runs, "c": phase_c.runs, "b": phase_b.runs}
+    runs = {k: (make(ctx) if k in phases else []) for k, make in pooled.items()}
+    pool = [r for k in ("d", "c", "b") for r in runs[k]]
+    if pool:
+        print(f"\n=== training runs of phases {', '.join(k for k in 'bcd' if runs[k])}: {len(pool)} "
+              f"runs, {ctx.slots} rank processes at a time", flush=True)
+        run_pool(ctx, pool)
+
+    def with_logs(analysis, key):
+        def body(ex):
+            text = analysis(ex)
+            tails = [r.log_tail for r in runs[key]]
+            if key == "b":
+                tails += [f"---- worker {k[:-5]} rc {v['rc']}\n" + "\n".join(_tail(v["log"], 40))
+                          for k, v in workers.items() if k.endswith("/_log")]
+            return text, tails
+        return body
+
+    def longest(key):  # the pooled runs overlap: a phase took as long as its longest run
+        return max((r.elapsed_s for r in runs[key]), default=0.0)
+
+    if "b" in phases:
+        results.append(run_phase(ctx, "b", with_logs(lambda ex: phase_b.analyze(ex, ctx, workers, runs["b"]), "b"),
+                                 workers_s + longest("b")))
+    if "c" in phases:
+        results.append(run_phase(ctx, "c", with_logs(lambda ex: phase_c.analyze(ex, ctx, runs["c"]), "c"),
+                                 longest("c")))
+    if "d" in phases:
+        results.append(run_phase(ctx, "d", with_logs(lambda ex: phase_d.analyze(ex, ctx, runs["d"]), "d"),
+                                 longest("d")))
+    if "e" in phases:
+        if ctx.cpu:
+            results.append(run_phase(ctx, "e", lambda ex: (phase_e.dry_run(ex), [])))
+        else:
+            e_runs = phase_e.runs(ctx)
+            print("\n=== phase e runs (one at a time: step times)", flush=True)
+            run_pool(ctx, e_runs, slots=2)
+            runs["e"] = e_runs
+            results.append(run_phase(ctx, "e", with_logs(lambda ex: phase_e.analyze(ex, ctx, e_runs), "e"),
+                                     sum(r.elapsed_s for r in e_runs)))
+    return results
+
+
+def _tail(path: str, n: int) -> List[str]:
+    from gpu_checks.common import tail_lines
+
+    return tail_lines(path, n)
+
+
+def summary_table(results: List[Result], total_s: float) -> str:
+    rows = [[r.phase, TITLES[r.phase][:60], r.status, f"{r.elapsed_s:.1f}", r.summary[:160]] for r in results]
+    counts = {s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "SKIP")}
+    return (table(["phase", "what", "status", "s", "result"], rows)
+            + f"\n{counts['PASS']} PASS, {counts['FAIL']} FAIL, {counts['SKIP']} SKIP in {total_s:.1f} s")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--list", action="store_true", help="print the checks and exit")
+    p.add_argument("--list", action="store_true", help="print the phases and exit")
+    p.add_argument("--cpu", action="store_true", help="the CPU dry run (gloo, a smaller model)")
+    p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES), help="phases to run")
     p.add_argument("--out", default=os.environ.get("OUT") or "/tmp/gpu_out",
-                   help="logs, metrics and the summary (default $OUT or /tmp/gpu_out)")
-    p.add_argument("--data-dir", default="/tmp/gpu_check_data",
-                   help="where the default corpus is built (kept out of --out: 24 MB)")
-    p.add_argument("--only", nargs="+", metavar="NAME", choices=list(CHECK_BY_NAME),
-                   help="run these checks only (runtime_budget always runs)")
-    p.add_argument("--skip", nargs="+", metavar="NAME", choices=list(CHECK_BY_NAME), default=[],
-                   help="leave these checks out")
-    p.add_argument("--budget-s", type=float, default=BUDGET_S, help="whole-check budget in seconds")
+                   help="phase logs, summary.txt, results.json (default $OUT or /tmp/gpu_out)")
+    p.add_argument("--work", default=None, help="run logs, metrics, wheels site (default /tmp/gpu_check_work"
+                   "[_cpu]; kept out of OUT: the device machine returns 8 files)")
+    p.add_argument("--data-dir", default="/tmp/gpu_check_data", help="where the default corpus is built")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help=f"whole-check budget (default {BUDGET_S:.0f}, --cpu {CPU_BUDGET_S:.0f})")
+    p.add_argument("--slots", type=int, default=None,
+                   help="rank processes of phases b-d at once (default: 8 on a device, 2 on the CPU)")
     p.add_argument("--started-at", type=float, default=None,
                    help="epoch seconds the budget counts from (gpu_check.sh passes its start)")
-    p.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=list(phase_b.GROUPS), help=argparse.SUPPRESS)
+    p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.list:
-        print(list_checks())
+        print("\n".join(f"{k}  {TITLES[k]}" for k in PHASES))
         return EXIT_OK
     if args.worker:
         if not args.result:
             p.error("--worker needs --result")
-        return worker_main(args.worker, args.result)
+        return phase_b.worker_main(args.worker, args.device, args.result)
 
+    os.chdir(ROOT)  # the runs' flags name launch/configs/... relative to the repository
     os.makedirs(args.out, exist_ok=True)
     ok, where = cuda_status()
-    header = f"gpu_check: {where}"
+    header = f"gpu_check{' --cpu' if args.cpu else ''}: {where}"
     print(header, flush=True)
-    if not ok:
-        message = (f"gpu_check: no CUDA device: {where}. Nothing was checked; run this on a "
-                   f"machine with one CUDA GPU (exit status {EXIT_NOTHING_CHECKED}).")
+    if not ok and not args.cpu:
+        message = (f"gpu_check: no CUDA device: {where}. Nothing was checked; run this on a machine "
+                   f"with a CUDA GPU, or `bash launch/gpu_check.sh --cpu` for the CPU dry run "
+                   f"(exit status {EXIT_NOTHING_CHECKED}).")
         print(message, file=sys.stderr, flush=True)
         with open(os.path.join(args.out, "summary.txt"), "w") as fh:
             fh.write(message + "\n")
         return EXIT_NOTHING_CHECKED
-    try:
-        import megatron.core as mc
-
-        print(f"gpu_check: megatron-core {mc.__version__}", flush=True)
-    except ImportError as exc:
-        print(f"gpu_check: megatron-core not importable ({exc}); the checks that need it fail",
-              flush=True)
-
-    ctx = Context(args)
-    selected = [c for c in CHECKS if (not args.only or c.name in args.only or
-                                      c.name == "runtime_budget") and c.name not in args.skip]
-    for check in selected:
-        print(f"\n=== [{check.number}] {check.name}: {check.title}", flush=True)
-        if check.name != "runtime_budget" and ctx.remaining() < 10:
-            res = Result(check.name, "FAIL", 0.0, f"not started: the {ctx.budget_s:.0f} s budget "
-                         f"is spent ({time.time() - ctx.started:.0f} s elapsed)")
-        elif check.kind == "worker":
-            res = run_worker(ctx, check)
-        else:
-            res = run_host(ctx, check)
-        ctx.results.append(res)
-        print(f"--- [{check.number}] {check.name}: {res.status} ({res.elapsed_s:.1f} s) "
-              f"{res.summary[:300]}", flush=True)
-
+    budget = args.budget_s or (CPU_BUDGET_S if args.cpu else BUDGET_S)
+    slots = args.slots or (2 if args.cpu else min(8, max(2, (os.cpu_count() or 4) // 2)))
+    work = args.work or ("/tmp/gpu_check_work_cpu" if args.cpu else "/tmp/gpu_check_work")
+    ctx = Context(os.path.abspath(args.out), os.path.abspath(work), os.path.abspath(args.data_dir),
+                  args.cpu, budget, args.started_at or time.time(), slots)
+    results = run_all(ctx, [k for k in PHASES if k in args.phases])
     total = time.time() - ctx.started
-    table = summary_table(ctx.results, total)
-    print("\n" + table, flush=True)
-    with open(os.path.join(args.out, "summary.txt"), "w") as fh:
-        fh.write(header + "\n\n" + table + "\n")
-    with open(os.path.join(args.out, "results.json"), "w") as fh:
-        json.dump({"where": where, "total_s": total,
-                   "results": [vars(r) for r in ctx.results]}, fh, indent=1, default=str)
-    return EXIT_FAIL if any(r.status == "FAIL" for r in ctx.results) else EXIT_OK
+    text = summary_table(results, total)
+    print("\n" + text, flush=True)
+    with open(os.path.join(ctx.out, "summary.txt"), "w") as fh:
+        fh.write(header + "\n\n" + text + "\n")
+    with open(os.path.join(ctx.out, "results.json"), "w") as fh:
+        json.dump({"where": where, "cpu": ctx.cpu, "total_s": total, "budget_s": budget,
+                   "facts": ctx.facts, "phases": [vars(r) for r in results]}, fh, indent=1, default=str)
+    return EXIT_FAIL if any(r.status == "FAIL" for r in results) else EXIT_OK
 
 
 if __name__ == "__main__":

@@ -1,3 +1,4 @@
-"""The checks of launch/gpu_check.py (the runner): common.py (shared records, Expect, the table
-of checks), tensor_checks.py (subprocess tensor checks), run_checks.py (training runs, bench,
-transformer-engine spec, offload, budget)."""
+"""The device check's parts (launch/gpu_check.py is the runner): one module per phase
+(phase_a ... phase_e), the checks phase b runs in worker processes (tensor_checks, stream_checks,
+comm_checks), the training runs (runs, specs, train_entry, fused_adam, gloo_cuda) and what they
+all share (common)."""

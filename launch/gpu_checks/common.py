@@ -1,42 +1,60 @@
-"""Shared pieces of launch/gpu_check.py and its check modules: the constants (budget, exit
-statuses, goals), the assertion collector ``Expect`` with ``CheckSkipped``, the ``Result`` /
-``Check`` / ``Command`` records and the table of checks ``CHECKS``.
+"""What launch/gpu_check.py and its phase modules share: constants (budget, exit statuses),
+the assertion collector ``Expect``, the ``Result`` of a phase, the ``Command`` runner with its
+timeout, the text table and the phase log.
 
-They live here, not in the runner, because both check modules (tensor_checks, run_checks) and
-the runner (launch/gpu_check.py) need them, and the check modules must not import the runner.
+Every phase asserts numbers through ``Expect`` (each assertion printed as ``ok`` / ``FAIL``
+with its numbers), prints one table, and writes everything it printed, plus the tails of the
+logs of the processes it started, to OUT/phase_<x>.log. OUT holds at most 8 files (the device
+machine returns no more): summary.txt, results.json and one log per phase.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
-BUDGET_S = 480.0  # the issue's "under 8 minutes on one CUDA device"
+BUDGET_S = 480.0
+"""The whole device check, wheels included: 8 minutes of a 15-minute lease (start-up, the
+transfers and one rerun of a phase fit in the rest)."""
+CPU_BUDGET_S = 300.0
+"""The CPU dry run (``--cpu``): tiny models, gloo, few iterations."""
 EXIT_OK, EXIT_FAIL, EXIT_NOTHING_CHECKED = 0, 1, 2
 STRICT_ENV = "MEGATRON_GRPO_STRICT_COMM"  # megatron_grpo.comm.wire.STRICT_ENV
-DP_GOAL = 1.5  # batched host time per bucket, t(dp=512) / t(dp=8) (issue 7 item 5)
-OFFLOAD_SKIP = "memory tier not built yet (issue 10): no megatron_grpo/offload module"
+PHASES = ("a", "b", "c", "d", "e")
+TITLES = {
+    "a": "wheels and versions",
+    "b": "tensor checks: compressors, error feedback, importance, streams, collectives at world "
+         "size 1 vs CPU; release-while-pending; FusedAdam step counts",
+    "c": "tiny bf16 model, 1 rank: GRPO warm-up = baseline; memory tier on = off",
+    "d": "2 ranks on one device (gloo): weight hash, bytes = planner, memory tier on = off, "
+         "hierarchy",
+    "e": "~300M bf16 model, 2 ranks, 20 steps: step time and peak memory vs baseline, "
+         "monitoring step",
+}
 
 
 class CheckSkipped(Exception):
-    """A prerequisite of the check is missing; the message is the reason."""
+    """A prerequisite is missing (no CUDA in a CUDA-only check); the message is the reason."""
 
 
 class Expect:
-    """Collects the assertions of one check: every one is printed, all are evaluated."""
+    """Collects the assertions of one phase: every one is printed, all are evaluated."""
 
     def __init__(self, echo: bool = True) -> None:
         self.lines: List[str] = []
         self.failures: List[str] = []
+        self.skips: List[str] = []
         self.asserted = 0
         self.numbers: Dict[str, object] = {}
-        self.heads: List[str] = []
         self.echo = echo
 
-    def _say(self, line: str) -> None:
+    def say(self, line: str) -> None:
         self.lines.append(line)
         if self.echo:
             print(line, flush=True)
@@ -45,81 +63,83 @@ class Expect:
         self.asserted += 1
         if not ok:
             self.failures.append(what)
-        self._say(f"  {'ok  ' if ok else 'FAIL'} {what}")
+        self.say(f"  {'ok  ' if ok else 'FAIL'} {what}")
         return bool(ok)
 
+    def equal(self, got, want, what: str) -> bool:
+        """``got == want``, both printed (a mismatch names its first differing position)."""
+        ok = got == want
+        detail = f"{got!r}" if ok else f"got {_short(got)}, want {_short(want)}{_first_diff(got, want)}"
+        return self.that(ok, f"{what}: {detail}")
+
     def info(self, what: str) -> None:
-        self._say(f"  info {what}")
+        self.say(f"  info {what}")
+
+    def skip_part(self, what: str) -> None:
+        """A part that cannot run here (printed and listed; a SKIP is never a PASS)."""
+        self.skips.append(what)
+        self.say(f"  SKIP {what}")
 
     def number(self, key: str, value) -> None:
         self.numbers[key] = value
 
-    def headline(self, what: str) -> None:
-        """A figure for the summary table (printed as info too)."""
-        self.heads.append(what)
-        self.info(what)
-
-    def summary(self) -> str:
-        if self.failures:
-            return "; ".join(self.failures)[:500]
-        return "; ".join(self.heads)[:500] or f"{self.asserted} assertions ok"
-
-    @staticmethod
-    def skip(reason: str) -> None:
-        raise CheckSkipped(reason)
-
     def status(self) -> str:
         if self.failures:
             return "FAIL"
-        if not self.asserted:  # a check that asserted nothing must not read as a PASS
+        if not self.asserted:  # a phase that asserted nothing must not read as a PASS
             self.failures.append("no assertion was made")
             return "FAIL"
         return "PASS"
 
+    def summary(self) -> str:
+        if self.failures:
+            return "; ".join(self.failures)[:400]
+        text = f"{self.asserted} assertions ok"
+        return text + (f", {len(self.skips)} part(s) skipped" if self.skips else "")
+
+
+def _short(value, n: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= n else text[:n] + "..."
+
+
+def _first_diff(got, want) -> str:
+    if isinstance(got, (list, tuple)) and isinstance(want, (list, tuple)):
+        for i, (a, b) in enumerate(zip(got, want)):
+            if a != b:
+                return f" (first difference at index {i}: {a!r} vs {b!r})"
+        if len(got) != len(want):
+            return f" (lengths {len(got)} vs {len(want)})"
+    return ""
+
 
 @dataclass
 class Result:
-    name: str
-    status: str
+    """What one phase found."""
+
+    phase: str
+    status: str  # PASS / FAIL / SKIP
     elapsed_s: float
     summary: str
+    table: str = ""
     lines: List[str] = field(default_factory=list)
     numbers: Dict[str, object] = field(default_factory=dict)
 
 
-@dataclass
-class Check:
-    name: str
-    number: str
-    title: str
-    kind: str  # "worker": subprocess of this script; "host": runs commands from the orchestrator
-    cap_s: float
+def table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
+    """A plain text table (the one table each phase prints)."""
+    cells = [[str(h) for h in headers]] + [[_cell(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    out = [" | ".join(c.ljust(w) for c, w in zip(cells[0], widths)),
+           "-+-".join("-" * w for w in widths)]
+    out += [" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells[1:]]
+    return "\n".join(out)
 
 
-CHECKS = [
-    Check("cpu_mode_noop", "1", "CPU mode is a no-op where CUDA exists", "worker", 60),
-    Check("compress_cuda", "2a", "compressors on CUDA: int4/int8/topk bytes and decode identical "
-          "to CPU", "worker", 120),
-    Check("error_feedback_cuda", "2b", "ErrorFeedback staged commit/discard on CUDA, bit-identical "
-          "to CPU", "worker", 60),
-    Check("importance_cuda", "2c", "ImportanceTracker on CUDA: scores, no host sync, side stream",
-          "worker", 60),
-    Check("interval_timer_cuda", "2d", "IntervalTimer with torch.cuda.Event measures a known "
-          "sleep kernel", "worker", 60),
-    Check("bench_compress", "2e", f"bench_compress --device cuda (one bucket; --dp 8 64 512): "
-          f"batched t(dp=512) <= {DP_GOAL}x t(dp=8)", "host", 200),
-    Check("side_stream_overlap", "3a", "importance on the controller's side stream overlaps the "
-          "main stream (CUDA events)", "worker", 90),
-    Check("grpo_run_timing", "3b", "GRPO runs on 1 GPU, strict comm: grpo_timing cuda_events, "
-          "importance > 0, 0 < RU <= 1", "host", 330),
-    Check("bf16_baseline_vs_grpo", "4a", "bf16 baseline vs GRPO (tiny, ~330M): finish, finite "
-          "decreasing loss, tiers d+s; peak memory, step time", "host", 330),
-    Check("te_spec", "4b", "the bf16 runs use the transformer-engine spec when it is importable",
-          "host", 60),
-    Check("pinned_offload", "5", "pinned-memory offload (memory tier)", "host", 60),
-    Check("runtime_budget", "6", f"whole check under {BUDGET_S / 60:.0f} minutes", "host", 5),
-]
-CHECK_BY_NAME = {c.name: c for c in CHECKS}
+def _cell(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) < 1e5 else f"{v:.3e}"
+    return "-" if v is None else str(v)
 
 
 @dataclass
@@ -131,9 +151,60 @@ class Command:
     limit_s: float
 
     def tail(self, n: int = 5) -> str:
+        return " | ".join(tail_lines(self.log, n))[-600:]
+
+
+def tail_lines(path: str, n: int) -> List[str]:
+    try:
+        with open(path, errors="replace") as fh:
+            lines = [line.rstrip() for line in fh if line.strip()]
+    except OSError:
+        return []
+    return lines[-n:]
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM then SIGKILL the process group of ``proc`` (started with start_new_session)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
-            with open(self.log, errors="replace") as fh:
-                lines = [l.rstrip() for l in fh.readlines() if l.strip()]
-        except OSError:
-            return ""
-        return " | ".join(lines[-n:])[-600:]
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=10)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_command(argv: List[str], log: str, limit_s: float, env: Optional[Dict] = None,
+                cwd: str = ROOT) -> Command:
+    """Run ``argv`` with stdout and stderr to ``log``; past ``limit_s`` its whole process group
+    is killed (timed_out, rc None)."""
+    t0 = time.time()
+    with open(log, "w") as fh:
+        fh.write("$ " + " ".join(argv) + "\n")
+        fh.flush()
+        proc = subprocess.Popen(argv, cwd=cwd, stdout=fh, stderr=subprocess.STDOUT,
+                                env=env if env is not None else dict(os.environ),
+                                start_new_session=True)
+        try:
+            rc: Optional[int] = proc.wait(timeout=max(1.0, limit_s))
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out, rc = True, None
+            kill_group(proc)
+    return Command(rc, timed_out, time.time() - t0, log, limit_s)
+
+
+def finite(v) -> bool:
+    import math
+
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def median(values) -> float:
+    import statistics
+
+    values = [v for v in values if finite(v)]
+    return statistics.median(values) if values else float("nan")
