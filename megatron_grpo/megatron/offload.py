@@ -105,7 +105,7 @@ def _window_inner_step(oi: int, opt, placement: TierPlacement, ctrl) -> None:
     counters = GroupCounters(inner)
 
     def step_only(params, closure=None):
-        with counters.call(), _only(inner, params):
+        with counters.call(params), _only(inner, params):
             return whole_step(closure)
 
     def windowed_step(closure=None):
@@ -213,8 +213,9 @@ class GroupCounters:
         self.after = {}
 
     @contextlib.contextmanager
-    def call(self):
-        """Around one step() call (outside ``_only``, which hides groups)."""
+    def call(self, params):
+        """Around one step() call for ``params`` (outside ``_only``, which hides groups)."""
+        wanted = {id(p) for p in params}
         for g, value in zip(self.groups, self.before):
             if value is _MISSING:
                 g.pop("step", None)
@@ -222,10 +223,15 @@ class GroupCounters:
                 g["step"] = _copy(value)
         yield
         for i, g in enumerate(self.groups):
+            if not any(id(p) in wanted for p in g["params"]):
+                continue  # not handed to this call
             value = g.get("step", _MISSING)
-            if value is not _MISSING and not _same(value, self.before[i]):
+            if value is not _MISSING:
+                # What the optimizer left, even unchanged (TE's capturable mode does not
+                # advance on an overflow step).
                 self.after[i] = _copy(value)
-                self.keeps_group_counters = True
+                if not _same(value, self.before[i]):
+                    self.keeps_group_counters = True
 
     def end(self) -> None:
         for i, g in enumerate(self.groups):
