@@ -339,6 +339,8 @@ def validate(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
         raise ConfigError(f"--save-interval must be a positive integer, got {c.save_interval}")
     if c.save_interval is not None and not c.save:
         raise ConfigError("--save-interval needs --save DIR")
+    if c.overwrite_checkpoints and not c.save:
+        raise ConfigError("--overwrite-checkpoints lets saves replace verified checkpoints: it needs --save DIR")
     if t.exit_after_iter is not None and t.exit_after_iter <= 0:
         raise ConfigError(f"--exit-after-iter must be positive, got {t.exit_after_iter}")
     if t.max_consecutive_skipped_steps < 0:

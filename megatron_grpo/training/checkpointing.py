@@ -243,18 +243,21 @@ def model_record(cfg, tokenizer, padded_vocab: int, buckets: Optional[Dict] = No
             "versions": model_versions(), "optimizer_buckets": buckets}
 
 
-def save_checkpoint(root: str, iteration: int, built, common: Dict,
-                    rank_extra: Optional[Dict] = None, record: Optional[Dict] = None) -> str:
+def save_checkpoint(root: str, iteration: int, built, common: Dict, rank_extra: Optional[Dict] = None,
+                    record: Optional[Dict] = None, overwrite: bool = False) -> str:
     """Collective: every rank calls it. ``common`` holds plain values (iteration, data position,
     scheduler state, extra component state); rank 0 writes it. ``rank_extra`` is this rank's own
     state (e.g. error-feedback residuals), stored beside its RNG state. Returns the directory.
     A failed write (ENOSPC, EROFS, ...) raises CheckpointError; the last complete checkpoint
     and the tracker are untouched, the partial iter_N.tmp is replaced by the next save. Weights
-    holding a NaN or Inf are refused the same way, before anything is written."""
+    holding a NaN or Inf are refused the same way, before anything is written, and so is an
+    existing verified iter_N unless ``overwrite`` (--overwrite-checkpoints)."""
     from torch.distributed.checkpoint import CheckpointException
 
+    from megatron_grpo.training.checkpoint_dirs import check_no_replace
     from megatron_grpo.training.divergence import nonfinite_weights_problem
 
+    check_no_replace(root, range(iteration, iteration + 1), overwrite)
     # Before anything is written: the previous checkpoint must stay the newest one.
     problem = nonfinite_weights_problem(root, iteration, built)
     if problem is not None:

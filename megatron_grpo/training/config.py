@@ -173,7 +173,9 @@ class CheckpointSettings:
     save_interval: Optional[int] = None
     """Save every this many iterations (and at the end)."""
     load: Optional[str] = None
-    """Directory to resume from (its latest complete checkpoint)."""
+    """Directory to resume from: the iteration its latest_checkpointed_iteration.txt names, or a
+    newer iter_* directory whose manifest verifies when the tracker is missing or older (a job
+    killed between a save and its tracker write), with a WARNING."""
     init_from: Optional[str] = None
     """Start from the model weights of this checkpoint (any TP/PP layout), with fresh optimizer,
     iteration 0 and data position 0. --train-iters 0 --save DIR writes such a seed checkpoint."""
@@ -182,6 +184,10 @@ class CheckpointSettings:
     iteration, data position and lr schedule only (Adam state starts at zero; per-rank RNG and
     GRPO state start fresh, GRPO with a new exact warm-up): the way to resume in another TP/PP
     layout, whose optimizer shards do not match."""
+    overwrite_checkpoints: bool = False
+    """Let this run replace complete, verified iter_* directories under --save (a fresh run into
+    an earlier run's directory, or a resume from an older iteration than the newest). Off: such
+    a run stops at start, naming the directories, and a save never replaces a verified one."""
 
 
 @dataclass

@@ -25,7 +25,7 @@ from megatron_grpo.comm.wire import wire_counter
 from megatron_grpo.hooks import RunHooks
 from megatron_grpo.metrics import MetricsLogger, peak_rss_bytes, step_peak_rss_bytes
 from megatron_grpo.platform import select_platform
-from megatron_grpo.training import checkpointing
+from megatron_grpo.training import checkpoint_dirs, checkpointing
 from megatron_grpo.training.config import PretrainConfig
 from megatron_grpo.training.divergence import DivergenceGuard, TrainingDiverged
 from megatron_grpo.training.memory_budget import current_base_bytes
@@ -204,17 +204,21 @@ def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption) -> RunSu
                                            checkpointing.bucket_layout(cfg, hooks.bucket_size, dp_size))
     start_iter, consumed = 0, 0
     load = cfg.checkpoint.load
-    if load and cfg.checkpoint.save and os.path.abspath(load) == os.path.abspath(cfg.checkpoint.save) \
-            and not os.path.isfile(os.path.join(load, checkpointing.TRACKER)):
+    if load:
         # `--save D --load D` is the auto-resume idiom of requeued jobs: the first job starts fresh.
         # A --load that names another directory without a checkpoint stays an error (a typo).
-        if dist.get_rank() == 0:
-            print(f"[{lg.run_name}] --load {load}: no checkpoint yet (same directory as --save); "
-                  f"starting from scratch", flush=True)
-        load = None
+        # A verified iter_* newer than the tracker (or without one) is resumed from, with a WARNING.
+        same = bool(cfg.checkpoint.save) and os.path.abspath(load) == os.path.abspath(cfg.checkpoint.save)
+        resume = checkpoint_dirs.resume_iteration(load, fresh_ok=same)
+        if resume is None:
+            if dist.get_rank() == 0:
+                print(f"[{lg.run_name}] --load {load}: no checkpoint yet (same directory as --save); "
+                      f"starting from scratch", flush=True)
+            load = None
     if load:
-        common, rank_extra = checkpointing.load_checkpoint(load, built, record=model_rec,
-                                                            load_optim=cfg.checkpoint.load_optim)
+        common, rank_extra = checkpointing.load_checkpoint(
+            load, built, iteration=None if resume == checkpoint_dirs.USE_TRACKER else resume,
+            record=model_rec, load_optim=cfg.checkpoint.load_optim)
         start_iter = int(common["iteration"])
         consumed = int(common["consumed_samples"])
         built.scheduler.load_state_dict(common["scheduler"])
@@ -222,6 +226,9 @@ def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption) -> RunSu
         hooks.load_rank_state(rank_extra)
     elif cfg.checkpoint.init_from:
         checkpointing.load_model_weights(cfg.checkpoint.init_from, built, model_rec)
+    if cfg.checkpoint.save:  # before training, not at the first save that would replace one
+        checkpoint_dirs.check_no_replace(cfg.checkpoint.save, checkpoint_dirs.run_saves(start_iter, t.train_iters),
+                                         cfg.checkpoint.overwrite_checkpoints)
 
     train_iter = MicroBatchIterator(train_ds, consumed, mbs, dp_rank, dp_size)
     forward_step = ForwardStep(seq, platform.device)
@@ -241,7 +248,8 @@ def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption) -> RunSu
         hooks.before_save()
         checkpointing.save_checkpoint(cfg.checkpoint.save, 0, built, {
             "consumed_samples": 0, "scheduler": built.scheduler.state_dict(),
-            "extensions": hooks.checkpoint_state()}, hooks.rank_state(), model_rec)
+            "extensions": hooks.checkpoint_state()}, hooks.rank_state(), model_rec,
+            overwrite=cfg.checkpoint.overwrite_checkpoints)
     step_times: List[float] = []
     logged, wire_after_first = 0, 0
     rss_high, device_high = 0, 0
@@ -332,7 +340,7 @@ def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption) -> RunSu
                 "consumed_samples": train_iter.consumed_samples,
                 "scheduler": built.scheduler.state_dict(),
                 "extensions": hooks.checkpoint_state(),
-            }, hooks.rank_state(), model_rec)
+            }, hooks.rank_state(), model_rec, overwrite=cfg.checkpoint.overwrite_checkpoints)
             counter.reset()
         if writer:
             logger.log(record)

@@ -84,12 +84,18 @@ def test_kill_9_mid_save_then_resume(reference, tmp_path, table, victim, point):
     else:
         assert left == [f"iter_{k:07d}.tmp"]  # half-written, never mistaken for a checkpoint
         assert not (ckpt / left[0] / checkpointing.MANIFEST).exists()
-    n = _resume(tmp_path, reference, ckpt, last)
+    # A complete, verified directory the tracker does not name is resumed from, with a WARNING,
+    # never replaced (issue 30 item 1); a half-written one is ignored and replaced.
+    resumed_from = k if point == "tracker" else last
+    n = _resume(tmp_path, reference, ckpt, resumed_from)
     table.row(GROUP, f"SIGKILL of rank {victim} inside the save of iteration {k} ({point} point: "
               + {"rng": "rank 1 writing its RNG file, shards written",
                  "manifest": "all shards written, manifest not yet",
                  "tracker": "directory complete, tracker not yet moved"}[point] + ")",
-              f"job fails naming the rank; the partial save is ignored; --load resumes from {last}",
+              f"job fails naming the rank; --load resumes from {resumed_from}"
+              + (" (the complete directory, with a WARNING)" if point == "tracker" else
+                 "; the partial save is ignored"),
               f"torchrun rc {job.rc} {took:.1f} s after the kill; {summary}; left on disk: {left[0]} "
               f"{'(complete, tracker still ' + str(last) + ')' if point == 'tracker' else '(no manifest)'}; "
-              f"resume loaded {last}, replaced {left[0]}, {n} iterations bit-identical")
+              f"resume loaded {resumed_from}"
+              + ("" if point == "tracker" else f", replaced {left[0]}") + f", {n} iterations bit-identical")
