@@ -29,7 +29,8 @@ def test_defaults_follow_megatron_and_are_documented():
     cfg = parse_args(["--data-path", "x"])
     assert cfg.training.check_for_nan_in_loss_and_grad is True
     assert cfg.training.max_consecutive_skipped_steps == 10
-    with pytest.raises(ConfigError, match=r"--max-consecutive-skipped-steps must be >= 0 \(0: never stop\), got -1"):
+    with pytest.raises(ConfigError,
+                       match=r"--max-consecutive-skipped-steps must be >= 0 \(0: never stop\), got -1"):
         parse_args(["--data-path", "x", "--max-consecutive-skipped-steps", "-1"])
 
 
