@@ -104,14 +104,6 @@ def _real_class(kind: str):
     raise ValueError(f"gpu_check: optimizer kind must be one of {', '.join(KINDS)}, got {kind!r}")
 
 
-def available(kind: str) -> bool:
-    try:
-        _real_class(kind)
-        return True
-    except ImportError:
-        return False
-
-
 def install(kind: str) -> type:
     """Make megatron-core build ``kind`` (recorded) where it builds its Adam. Call before the
     model is built. megatron.core.optimizer reads ``Adam`` and ``USING_PYTORCH_OPTIMIZER`` when

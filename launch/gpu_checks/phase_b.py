@@ -92,13 +92,11 @@ def run_workers(ctx) -> Dict[str, Dict]:
 def optimizer_kinds(ctx) -> List[str]:
     """The FusedAdam megatron would build here: TE's or apex's when importable, else torch's
     fused AdamW and the double (the double alone on the CPU)."""
-    from . import fused_adam  # imports torch: not at the runner's start
-
     if ctx.cpu:
         return ["double"]
-    if ctx.facts.get("te") and fused_adam.available("te"):
+    if ctx.facts.get("te"):  # phase a's probe imported it (in a child: TE initialises CUDA)
         return ["te"]
-    if ctx.facts.get("apex") and fused_adam.available("apex"):
+    if ctx.facts.get("apex"):
         return ["apex"]
     return ["torch_fused", "double"]
 
@@ -108,8 +106,10 @@ def runs(ctx) -> List[TrainRun]:
     base = [*specs.model(ctx.cpu, n), *specs.grpo(ctx.cpu)]
     out = []
     for kind in optimizer_kinds(ctx):
-        out.append(TrainRun(f"b_{kind}", "b", base, optimizer=kind, cap_s=200))
-        out.append(TrainRun(f"b_{kind}_offload", "b", [*base, *specs.OFFLOAD], optimizer=kind, cap_s=200))
+        env = specs.DETERMINISTIC_ENV
+        out.append(TrainRun(f"b_{kind}", "b", base, optimizer=kind, env=dict(env), cap_s=200))
+        out.append(TrainRun(f"b_{kind}_offload", "b", [*base, *specs.OFFLOAD], optimizer=kind,
+                            env=dict(env), cap_s=200))
     return out
 
 

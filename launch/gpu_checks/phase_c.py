@@ -1,9 +1,11 @@
 """Phase c: the small bf16 model on one rank (NCCL on the device, gloo on the CPU).
 
-Three runs: the megatron baseline (with GRPO's unit size as its bucket size, so both sum
-gradient norms in the same order), GRPO, and GRPO with the memory tier (--grpo-offload cpu:
-optimizer state and residuals streamed to host memory). What must hold:
+Four runs: the megatron baseline (with GRPO's unit size as its bucket size, so both sum
+gradient norms in the same order) twice, GRPO, and GRPO with the memory tier (--grpo-offload
+cpu: optimizer state and residuals streamed to host memory). What must hold:
 
+* the baseline twice gives the same losses (the control: the comparisons below are bit for bit,
+  so they need deterministic kernels; CUBLAS_WORKSPACE_CONFIG is fixed for these runs);
 * GRPO's warm-up (every unit core: megatron's own exact sync) gives the baseline's losses bit
   for bit: GRPO's hooks, side stream and importance measurement change nothing before tiering;
 * the memory tier changes no bit: same losses every iteration, same validation loss, and state
@@ -24,9 +26,12 @@ def runs(ctx) -> List[TrainRun]:
     n = specs.iters(ctx.cpu)
     model, grpo = specs.model(ctx.cpu, n), specs.grpo(ctx.cpu)
     bucket = specs.bucket_elements([*model, *grpo], world_size=1)
-    return [TrainRun("c_base", "c", [*model, "--ddp-bucket-size", str(bucket)]),
-            TrainRun("c_grpo", "c", [*model, *grpo]),
-            TrainRun("c_grpo_offload", "c", [*model, *grpo, *specs.OFFLOAD])]
+    base = [*model, "--ddp-bucket-size", str(bucket)]
+    env = specs.DETERMINISTIC_ENV
+    return [TrainRun("c_base", "c", base, env=dict(env)),
+            TrainRun("c_base_again", "c", base, env=dict(env)),
+            TrainRun("c_grpo", "c", [*model, *grpo], env=dict(env)),
+            TrainRun("c_grpo_offload", "c", [*model, *grpo, *specs.OFFLOAD], env=dict(env))]
 
 
 def check_run(ex: Expect, run: TrainRun) -> bool:
@@ -75,14 +80,17 @@ HEADERS = ["run", "iters", "loss first -> last", "val loss", "platform", "median
 
 def analyze(ex: Expect, ctx, train_runs: List[TrainRun]) -> str:
     by = {r.name: r for r in train_runs}
-    base, grpo, off = by["c_base"], by["c_grpo"], by["c_grpo_offload"]
+    base, again, grpo, off = by["c_base"], by["c_base_again"], by["c_grpo"], by["c_grpo_offload"]
     ok = [check_run(ex, r) for r in (base, grpo, off)]
     if not ctx.cpu:
         for r in (base, grpo, off):
             ex.that(bool(r.platform) and r.platform.startswith("nccl/cuda"),
                     f"{r.name}: platform {r.platform} (nccl/cuda)")
+    if ok[0] and check_run(ex, again):  # the control: without it a mismatch below could be the device's
+        ex.equal(again.losses, base.losses, "the baseline twice: the same losses (these kernels are "
+                 "deterministic here, which the bit-for-bit comparisons rely on)")
     if ok[0] and ok[1]:
         check_warmup(ex, base.records, grpo.records, specs.warmup(ctx.cpu))
     if ok[1] and ok[2]:
         check_offload(ex, grpo.records, off.records, "1 rank")
-    return table(HEADERS, [row(r) for r in (base, grpo, off)])
+    return table(HEADERS, [row(r) for r in (base, again, grpo, off)])

@@ -35,10 +35,11 @@ def _args(cpu: bool) -> List[str]:
 
 def runs(ctx) -> List[TrainRun]:
     args = _args(ctx.cpu)
-    return [TrainRun("d_grpo", "d", args, nproc=2),
-            TrainRun("d_grpo_offload", "d", [*args, *specs.OFFLOAD], nproc=2),
+    env = specs.DETERMINISTIC_ENV
+    return [TrainRun("d_grpo", "d", args, nproc=2, env=dict(env)),
+            TrainRun("d_grpo_offload", "d", [*args, *specs.OFFLOAD], nproc=2, env=dict(env)),
             TrainRun("d_hier", "d", [*args, "--num-distributed-optimizer-instances", "2"], nproc=2,
-                     env=dict(HIER_ENV))]
+                     env={**env, **HIER_ENV})]
 
 
 def flat_predictor(args: List[str]) -> Callable[[str, bool], Dict[str, int]]:

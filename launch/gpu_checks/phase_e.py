@@ -8,7 +8,8 @@ device (step times). What must hold:
 
 * GRPO's steady steps are no slower than the baseline's (x1.15: gloo stages every collective
   through host memory, and GRPO sends a fraction of the bytes);
-* a monitoring step costs little time (<= 1.5x a steady step + 50 ms) and little memory: its
+* a monitoring step costs little time (<= 1.5x the steady steps like it + 50 ms: same
+  stable-update status, since an update step syncs the stable tier too) and little memory: its
   peak exceeds the steps like it (same stable-update status) by at most two units' fp32 bytes
   plus four health chunks (megatron_grpo/health.py sums in bounded chunks; bucket-sized fp64
   copies, the defect of issue 27 item 2, are 8x a unit);
@@ -55,6 +56,10 @@ def planned(tiers: str, attention: str) -> Tuple[int, int]:
     return p.baseline_memory.total, p.grpo_memory.total
 
 
+def _update(r: dict) -> bool:
+    return bool(r.get("grpo_stable_update"))
+
+
 def _peak(r: dict) -> int:
     return int(r.get("step_peak_device_bytes") or 0)
 
@@ -77,8 +82,14 @@ def analyze_records(ex: Expect, base: List[dict], grpo: List[dict], planned_extr
     ex.that(t_grpo <= STEP_RATIO_MAX * t_base, f"GRPO median steady step {1e3 * t_grpo:.1f} ms <= "
             f"{STEP_RATIO_MAX} x baseline {1e3 * t_base:.1f} ms (x{t_grpo / t_base:.3f})")
     a, b = MONITOR_TIME
-    ex.that(t_mon <= a * t_grpo + b, f"slowest monitoring step {1e3 * t_mon:.1f} ms <= {a} x "
-            f"{1e3 * t_grpo:.1f} + {1e3 * b:.0f} ms")
+    slow = []  # each monitoring step against the steady steps like it (a stable update syncs more)
+    for m in mon:
+        like = [r["step_time_s"] for r in steady if _update(r) == _update(m)]
+        if like and m["step_time_s"] > a * median(like) + b:
+            slow.append(f"iteration {m['iteration']} {1e3 * m['step_time_s']:.1f} ms vs "
+                        f"{1e3 * median(like):.1f} ms")
+    ex.that(not slow, f"slowest monitoring step {1e3 * t_mon:.1f} ms: each within {a} x the median "
+            f"of the steady steps like it + {1e3 * b:.0f} ms" + (f"; not {slow}" if slow else ""))
     peak_base = max(_peak(r) for r in base)
     peak_grpo = max(_peak(r) for r in grpo if r not in mon)
     slack = max(0.10 * peak_base, 512 * MIB)
@@ -90,7 +101,7 @@ def analyze_records(ex: Expect, base: List[dict], grpo: List[dict], planned_extr
     bound = 2 * unit + 4 * HEALTH_CHUNK_BYTES
     worst: Optional[int] = None
     for m in mon:
-        like = [_peak(r) for r in steady if bool(r.get("grpo_stable_update")) == bool(m.get("grpo_stable_update"))]
+        like = [_peak(r) for r in steady if _update(r) == _update(m)]
         if like:
             over = _peak(m) - max(like)
             worst = over if worst is None else max(worst, over)
@@ -159,7 +170,7 @@ def analyze(ex: Expect, ctx, train_runs: List[TrainRun]) -> str:
     if not all(ok):
         return table(HEADERS, [[r.name, "-", "-", "-", r.describe()] for r in (base, grpo)])
     tiers = grpo.records[-1]["grpo_tier_map"]
-    attention = "flash" if ctx.facts.get("te") else "unfused"
+    attention = "flash" if grpo.spec == "transformer_engine" else "unfused"
     plan_base, plan_grpo = planned(tiers, attention)
     ex.info(f"planner ({attention} attention, final tiers {tiers}): baseline {plan_base / MIB:,.0f} MiB, "
             f"GRPO {plan_grpo / MIB:,.0f} MiB per rank")

@@ -53,6 +53,7 @@ class TrainRun:
     records: List[Dict] = field(default_factory=list)
     opt_dumps: List[Dict] = field(default_factory=list)
     platform: Optional[str] = None
+    spec: Optional[str] = None
     log_tail: str = ""
 
     @property
@@ -196,7 +197,7 @@ def _finish(ctx: Context, act: _Active) -> None:
     try:
         with open(act.logs[0], errors="replace") as fh:
             m = re.search(r"platform=(\S+) spec=(\S+)", fh.read())
-        run.platform = m.group(1) if m else None
+        run.platform, run.spec = (m.group(1), m.group(2)) if m else (None, None)
     except OSError:
         pass
     keep = 12 if run.ok else 60

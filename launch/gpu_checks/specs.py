@@ -28,6 +28,9 @@ THREE_TIERS = ["--grpo-core-share", "0.15", "--grpo-dynamic-share", "0.65",
                "--grpo-stable-share", "0.2", "--grpo-max-dynamic-share", "0.7"]
 OFFLOAD = ["--grpo-offload", "cpu", "--grpo-offload-chunk-mb", "0.25"]
 BYTE_VOCAB = 258  # the byte tokenizer of the default corpus
+# cuBLAS picks the same kernels run to run with a fixed workspace: the bit-for-bit comparisons of
+# phases b-d need it (phase e times steps and leaves cuBLAS alone).
+DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
 
 def iters(cpu: bool) -> int:

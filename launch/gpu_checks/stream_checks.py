@@ -160,10 +160,17 @@ def check_side_stream_overlap(ex: Expect, device: str = "cuda") -> None:
     from megatron_grpo.megatron.bucket_group import GRPOBucketGroup
 
     ctrl, params = build_test_controller(device)
-    if torch.device(device).type != "cuda":  # the CPU dry run: the test controller still builds
+    if torch.device(device).type != "cuda":  # the CPU dry run: the same calls, nothing to time
         ex.that(len(ctrl.units) == 4 and ctrl.side_stream is None,
-                f"test controller on the CPU: {len(ctrl.units)} units, side stream "
-                f"{ctrl.side_stream} (the overlap itself needs CUDA streams)")
+                f"test controller on the CPU: {len(ctrl.units)} units, no side stream (the overlap "
+                f"itself needs CUDA streams)")
+        ctrl.begin_step(0)
+        unit = type("Unit", (), {"grpo": ctrl})()
+        with GRPOBucketGroup._side_stream(unit):
+            ctrl.observe_importance(0)
+        ctrl.join_side_stream()
+        ctrl.end_step()
+        _expect_committed(ex, ctrl, params)
         return
     ex.that(ctrl.side_stream is not None and ctrl.side_stream != torch.cuda.current_stream()
             and ctrl.side_stream != torch.cuda.default_stream(),
@@ -222,14 +229,17 @@ def check_side_stream_overlap(ex: Expect, device: str = "cuda") -> None:
     ex.that(0.88 * B <= imp <= 1.15 * B + 2.0, f"importance timer (events on the side stream) "
             f"{imp:.2f} ms for the {B:.0f} ms importance block")
     ex.info(f"side {at['s1'] - at['s0']:.1f} ms || main {at['m1'] - at['m0']:.1f} ms: "
-                f"overlap {overlap:.1f} ms, step {at['end']:.1f} ms (serial {serial:.0f})")
+            f"overlap {overlap:.1f} ms, step {at['end']:.1f} ms (serial {serial:.0f})")
     ctrl.end_step()
+    _expect_committed(ex, ctrl, params)
+
+
+def _expect_committed(ex: Expect, ctrl, params) -> None:
     scores = ctrl.importance.bucket_scores()
     ref = float((params[0].main_grad.double().abs() * params[0].detach().double().abs()).sum())
     ex.that(abs(float(scores[0]) - ref) <= 1e-3 * ref and float(scores[1]) == 0.0,
             f"end_step commits the side-stream measurement: unit 0 score {float(scores[0]):.6g} "
             f"(float64 reference {ref:.6g}), unobserved unit 1 stays 0")
-
 
 
 def _owe_and_stage(ef, key, grad, c, dp):
