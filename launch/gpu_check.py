@@ -101,7 +101,14 @@ def run_all(ctx: Context, phases: List[str]) -> List[Result]:
         workers = phase_b.run_workers(ctx)
         workers_s = time.time() - t0
     pooled = {"d": phase_d.runs, "c": phase_c.runs, "b": phase_b.runs}
-    runs = {k: (make(ctx) if k in phases else []) for k, make in pooled.items()}
+    runs: Dict[str, list] = {k: [] for k in pooled}
+    broken: Dict[str, str] = {}  # a phase whose runs could not even be specified fails alone
+    for k, make in pooled.items():
+        if k in phases:
+            try:
+                runs[k] = make(ctx)
+            except Exception:
+                broken[k] = traceback.format_exc()
     pool = [r for k in ("d", "c", "b") for r in runs[k]]
     if pool:
         print(f"\n=== training runs of phases {', '.join(k for k in 'bcd' if runs[k])}: {len(pool)} "
@@ -110,6 +117,8 @@ def run_all(ctx: Context, phases: List[str]) -> List[Result]:
 
     def with_logs(analysis, key):
         def body(ex):
+            if key in broken:
+                raise RuntimeError(f"its training runs could not be specified:\n{broken[key]}")
             text = analysis(ex)
             tails = [r.log_tail for r in runs[key]]
             if key == "b":
@@ -203,6 +212,9 @@ def main(argv=None) -> int:
     work = args.work or ("/tmp/gpu_check_work_cpu" if args.cpu else "/tmp/gpu_check_work")
     ctx = Context(os.path.abspath(args.out), os.path.abspath(work), os.path.abspath(args.data_dir),
                   args.cpu, budget, args.started_at or time.time(), slots)
+    site = os.path.join(ctx.work, "site")
+    if not args.cpu and "a" not in args.phases and os.path.isdir(site):
+        ctx.site = site  # a rerun of some phases on the same machine: phase a's wheels stay
     results = run_all(ctx, [k for k in PHASES if k in args.phases])
     total = time.time() - ctx.started
     text = summary_table(results, total)

@@ -119,10 +119,13 @@ HEADERS = ["run", "median step ms", "monitoring step ms", "peak MiB", "extra ove
 def synthetic() -> Tuple[List[dict], List[dict], int]:
     """Records shaped like a passing device run (baseline, GRPO) and the planned extra bytes."""
     base, grpo = [], []
+    units = 73  # GRPO units of the ~300M model at --grpo-bucket-mb 16 (the planner's count)
     for i in range(1, 21):
-        base.append({"iteration": i, "step_time_s": 0.80, "step_peak_device_bytes": 9000 * MIB})
-        tiers = "cccccc" if i <= 6 else "ccdddsdd"
-        r = {"iteration": i, "grpo_tier_map": tiers, "step_time_s": 0.80 if i <= 6 else 0.45,
+        base.append({"iteration": i, "loss": 6.0 - 0.05 * i, "step_time_s": 0.80,
+                     "step_peak_device_bytes": 9000 * MIB})
+        tiers = "c" * units if i <= 6 else "c" * 11 + "d" * 48 + "s" * 14
+        r = {"iteration": i, "loss": 6.0 - 0.05 * i, "grpo_tier_map": tiers,
+             "step_time_s": 0.80 if i <= 6 else 0.45,
              "step_peak_device_bytes": 9000 * MIB if i <= 6 else 10100 * MIB,
              "grpo_stable_update": i % 5 == 0}
         if i > 6 and i % 4 == 0:

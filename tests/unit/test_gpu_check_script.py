@@ -148,6 +148,31 @@ def test_phase_e_analysis_passes_recorded_shapes_and_fails_each_defect():
     assert ex.asserted == 1 + len(phase_e.DEFECTS)
 
 
+def test_phase_e_device_analysis_with_the_planner_on_recorded_shapes():
+    """The device-only part of phase e (planner call included) on synthetic runs."""
+    base, grpo, _ = phase_e.synthetic()
+    runs = []
+    for name, records in (("e_base", base), ("e_grpo", grpo)):
+        run = TrainRun(name, "e", ["--train-iters", "20"], nproc=2)
+        run.started, run.rcs, run.records = True, [0, 0], records
+        run.platform, run.spec = "gloo/cuda:0", "local"
+        runs.append(run)
+    ex = common.Expect(echo=False)
+    text = phase_e.analyze(ex, type("Ctx", (), {"facts": {}})(), runs)
+    assert ex.status() == "PASS", ex.failures
+    assert 1000 * 2**20 < ex.numbers["planned_grpo_bytes"] - ex.numbers["planned_base_bytes"] < 1300 * 2**20
+    assert "GRPO" in text and "planned" in text
+
+
+def test_torch_fused_adamw_takes_megatrons_arguments():
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = fused_adam.TorchFusedAdamW([{"params": [p], "wd_mult": 1.0}], adam_w_mode=True, lr=0.1,
+                                     weight_decay=0.01, betas=(0.9, 0.95), eps=1e-8)
+    p.grad = torch.ones(3)
+    opt.step()
+    assert fused_adam.counters(opt)["params"] == [1.0] and not torch.equal(p.detach(), torch.ones(3))
+
+
 def test_fused_adam_double_has_group_counters_and_eager_state():
     a, b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(3))
     opt = fused_adam.FusedAdamDouble([{"params": [a, b]}, {"params": []}], lr=0.1)
