@@ -38,6 +38,26 @@ def _used_on_current_stream(*tensors) -> None:
     streams.used_on_current_stream(*tensors)
 
 
+STATS_BLOCK_ELEMENTS = 1 << 22
+"""Most elements of D(q) decoded at once for the health sums of a monitoring step (16 MiB of
+fp32); a block holds whole shards, at least one."""
+
+
+def _report_delivered(stats: Callable[[torch.Tensor, torch.Tensor], None], compressor: Compressor,
+                      send: torch.Tensor, owed: torch.Tensor) -> None:
+    """Give ``stats`` what this rank delivers, D(q), beside what it owed, a block of shards at a
+    time. The health sums are additive, so blocks give the same figures as the whole bucket,
+    and a monitoring step never holds a bucket-sized decoded copy (128 MB of fp32 per 128 MB
+    bucket, cached in the side stream's pool on GPU): one block buffer, reused."""
+    dp, shard_len = owed.shape
+    rows = max(1, min(dp, STATS_BLOCK_ELEMENTS // max(shard_len, 1)))
+    block = torch.empty((rows, shard_len), dtype=torch.float32, device=owed.device)
+    for first in range(0, dp, rows):
+        n = min(rows, dp - first)
+        decoded = compressor.decompress_rows(send[first:first + n], shard_len, out=block[:n])
+        stats(decoded.view(-1), owed[first:first + n].reshape(-1))
+
+
 class InFlightReduceScatter:
     """What every in-flight dynamic-tier reduce-scatter shares: ``wait()`` waits for the payload
     exchange, marks the side-stream buffers as used on the current stream, lets the subclass
@@ -89,7 +109,7 @@ class CompressedReduceScatter(InFlightReduceScatter):
         owed = ef.owed(key, grad).view(self.dp, self.shard_len)
         self.send = compressor.compress_rows(owed)
         if stats is not None:
-            stats(compressor.decompress_rows(self.send, self.shard_len).view(-1), owed.view(-1))
+            _report_delivered(stats, compressor, self.send, owed)
         ef.stage(key, grad, self.send, rank, compressor,
                  replicated.index if replicated is not None else None)
         self.recv = torch.empty_like(self.send)
