@@ -117,7 +117,7 @@ def main(argv=None):
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=True, use_distributed_optimizer=True,
         bucket_size=grpo.bucket_elements)
-    model = GRPODistributedDataParallel(tf_config, ddp_config, gpt)
+    model = GRPODistributedDataParallel(tf_config, ddp_config, gpt, grpo_config=grpo)
 
     # 6. The optimizer: get_grpo_optimizer is megatron's get_megatron_optimizer with GRPO's
     #    DistributedOptimizer subclass.
