@@ -38,6 +38,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests", "multinode"))
 sys.path.insert(0, REPO)
 
+from megatron_grpo.metrics_log import read_metrics  # noqa: E402
+
 SBATCH = os.path.join(REPO, "launch", "slurm", "pretrain_gpt_grpo.sbatch")
 UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}
 
@@ -53,9 +55,9 @@ def rate_bits(rate: str) -> Optional[float]:
 
 
 def _lines(path: str) -> int:
+    """Iterations logged so far (the file's headers are not counted)."""
     try:
-        with open(path) as fh:
-            return sum(1 for _ in fh)
+        return len(read_metrics(path))
     except OSError:
         return 0
 
@@ -117,8 +119,7 @@ def run_pair(cluster, rate: str, args, out: str, first_iter: int) -> Dict[str, D
         if job.state != "COMPLETED" or mark is None:
             raise SystemExit(f"error: {name} at {rate}: job {job.job_id} {job.state}; see "
                              f"{out}/{rate}_{name}.out\n{job.output[-2000:]}")
-        with open(metrics) as fh:
-            records = [json.loads(line) for line in fh]
+        records = read_metrics(metrics)
         link = max(cluster.link_tx_bytes(n) - mark[1][n] for n in cluster.nodes)
         results[name] = dict(records=records, job_s=time.monotonic() - t0,
                              link_bytes_per_iter=link / (len(records) - mark[0]))

@@ -22,6 +22,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from megatron_grpo.bench import figures  # noqa: E402
+from megatron_grpo.metrics_log import read_metrics  # noqa: E402
 
 RUN_FLAGS = {"baseline": [], "grpo": ["--grpo"]}
 
@@ -121,8 +122,7 @@ def main(argv=None) -> int:
     summaries, records = {}, {}
     for name in names:
         metrics = launch(name, args, extra)
-        with open(metrics) as fh:
-            records[name] = [json.loads(line) for line in fh]
+        records[name] = read_metrics(metrics)
         summaries[name] = summarize(records[name])
     if "baseline" in records and "grpo" in records:
         summaries["grpo"]["steady_wire_ratio"] = steady_wire_ratio(records["baseline"], records["grpo"])

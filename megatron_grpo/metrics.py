@@ -1,4 +1,5 @@
-"""Metrics sinks: JSONL file, TensorBoard, and a rank-0 progress line.
+"""Metrics sinks: JSONL file (an append-only log: metrics_log.py), TensorBoard, and a rank-0
+progress line.
 
 Call sites log through ``MetricsLogger`` without branches: ranks that do not write metrics get
 sinks that do nothing.
@@ -6,13 +7,13 @@ sinks that do nothing.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import resource
 import sys
 import time
 from typing import Dict, List, Optional
+
+from megatron_grpo.metrics_log import JsonlLog
 
 
 def peak_rss_bytes() -> int:
@@ -42,21 +43,6 @@ class MetricsSink:
 
     def close(self) -> None:
         pass
-
-
-class JsonlSink(MetricsSink):
-    """One JSON object per line; flushed per record so a killed run keeps what it logged."""
-
-    def __init__(self, path: str, append: bool) -> None:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._fh = open(path, "a" if append else "w")
-
-    def write(self, record: Dict) -> None:
-        self._fh.write(json.dumps(record, sort_keys=True) + "\n")
-        self._fh.flush()
-
-    def close(self) -> None:
-        self._fh.close()
 
 
 class TensorBoardSink(MetricsSink):
@@ -95,10 +81,14 @@ class MetricsLogger:
 
     @classmethod
     def create(cls, enabled: bool, metrics_file: Optional[str], tensorboard_dir: Optional[str],
-               log_interval: int, total_iters: int, run_name: str, append: bool) -> "MetricsLogger":
+               log_interval: int, total_iters: int, run_name: str,
+               start_iteration: int = 0) -> "MetricsLogger":
+        """``start_iteration``: where this run starts (0, or the checkpoint it resumed from):
+        the JSONL file gets a run_start or a resume header (metrics_log.py)."""
         sinks: List[MetricsSink] = []
         if enabled and metrics_file:
-            sinks.append(JsonlSink(metrics_file, append=append))
+            sinks.append(JsonlLog(metrics_file, start_iteration, label=run_name,
+                                  header={"run_name": run_name, "train_iters": total_iters}))
         if enabled and tensorboard_dir:
             sinks.append(TensorBoardSink(tensorboard_dir))
         return cls(sinks, log_interval, total_iters, enabled, run_name)

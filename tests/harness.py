@@ -59,8 +59,11 @@ def run_training(nproc: int, args: Sequence[str], timeout: int = 300,
 
 
 def read_metrics(path: str) -> List[dict]:
-    with open(path) as fh:
-        return [json.loads(line) for line in fh]
+    """The last run's per-iteration records as logged (a resumed segment's repeated iterations
+    included; headers skipped): megatron_grpo.metrics_log.read_logged."""
+    from megatron_grpo.metrics_log import read_logged
+
+    return read_logged(path)
 
 
 def losses(records: List[dict]) -> List[float]:

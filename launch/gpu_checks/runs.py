@@ -187,8 +187,9 @@ def _finish(ctx: Context, act: _Active) -> None:
     run.rcs = [p.returncode for p in act.procs]
     metrics = os.path.join(ctx.work, f"{run.name}.jsonl")
     if os.path.exists(metrics):
-        with open(metrics) as fh:
-            run.records = [json.loads(line) for line in fh if line.strip()]
+        from megatron_grpo.metrics_log import read_metrics  # one record per iteration, headers skipped
+
+        run.records = read_metrics(metrics)
     for rank in range(run.nproc):
         path = os.path.join(ctx.work, f"{run.name}.opt.rank{rank}.json")
         if os.path.exists(path):

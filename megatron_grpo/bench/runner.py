@@ -105,15 +105,11 @@ def ensure_data(data_path: str) -> None:
 
 
 def read_records(path: str) -> List[Dict]:
-    """Per-iteration records of a metrics JSONL; a torn last line (killed run) is dropped."""
-    records = []
-    with open(path) as fh:
-        for line in fh:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                break
-    return records
+    """Per-iteration records of a metrics JSONL, one per iteration, of the file's last run
+    (metrics_log.read_metrics: headers and a torn line of a killed run are skipped)."""
+    from megatron_grpo.metrics_log import read_metrics
+
+    return read_metrics(path)
 
 
 # Flags that name where a run writes, not what it trains: two commands that differ only in these

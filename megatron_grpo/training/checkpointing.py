@@ -31,6 +31,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_grpo.training import save_errors
 from megatron_grpo.training.model import optimizer_list, unwrap
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -181,6 +182,7 @@ def _save_failure(root: str, iteration: int, exc: BaseException) -> str:
                  else "the checkpoint writer reported a failure; rank 0's error names the rank and the cause")
     else:
         cause = f"{type(exc).__name__}: {exc}"
+    cause = save_errors.explain(root, " ".join(cause.split()))  # a full disk, however torch put it
     try:
         last = open(os.path.join(root, TRACKER)).read().strip()
     except OSError:
@@ -265,6 +267,10 @@ def save_checkpoint(root: str, iteration: int, built, common: Dict, rank_extra: 
     try:
         return _save_checkpoint(root, iteration, built, common, rank_extra, record)
     except OSError as exc:
+        raise CheckpointError(_save_failure(root, iteration, exc)) from exc
+    except RuntimeError as exc:
+        if not save_errors.is_zip_writer_failure(exc):  # torch.save's ENOSPC names no errno
+            raise
         raise CheckpointError(_save_failure(root, iteration, exc)) from exc
     except CheckpointException as exc:
         # torch's (a BaseException): dist_checkpointing's writer failed on some rank, e.g.

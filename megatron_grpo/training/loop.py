@@ -234,7 +234,7 @@ def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption) -> RunSu
     forward_step = ForwardStep(seq, platform.device)
     writer = is_metrics_rank()
     logger = MetricsLogger.create(writer, lg.metrics_file, lg.tensorboard_dir, lg.log_interval,
-                                  t.train_iters, lg.run_name, append=start_iter > 0)
+                                  t.train_iters, lg.run_name, start_iteration=start_iter)
     summary = RunSummary(lg.run_name, t.train_iters, num_params=built.num_params)
     if dist.get_rank() == 0:
         print(f"[{lg.run_name}] platform={platform.backend}/{platform.device} spec={built.spec_name} "

@@ -29,8 +29,7 @@ def _wait_for(what, predicate, timeout, job=None, cluster=None):
 
 def _last_iteration(path):
     try:
-        with open(path) as fh:
-            return len(fh.read().splitlines())
+        return len(read_metrics(path))
     except OSError:
         return 0
 

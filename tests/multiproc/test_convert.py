@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from harness import GRPO_SMALL, LLAMA_SMALL, REPO, SMALL_MODEL, env, run_training
+from harness import GRPO_SMALL, LLAMA_SMALL, REPO, SMALL_MODEL, env, read_metrics, run_training
 
 TOOL = os.path.join(REPO, "checkpoints", "grpo_ckpt.py")
 KL = re.compile(r"per-token KL max (\S+) \(threshold 1e-06\).*top-1 agreement (\S+)")
@@ -215,7 +215,7 @@ def test_strip_grpo_gives_a_checkpoint_the_baseline_resumes(gpt_tied_ckpt, stdli
     assert int(size) == int(0.04 * 1024 * 1024 / 4)  # GRPO_SMALL's --grpo-bucket-mb
     metrics = str(tmp_path / "m.jsonl")
     run_training(2, [*base, "--ddp-bucket-size", size, "--metrics-file", metrics])
-    records = [json.loads(line) for line in open(metrics)]
+    records = read_metrics(metrics)
     assert [r["iteration"] for r in records] == [9, 10]
 
 

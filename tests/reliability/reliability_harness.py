@@ -26,6 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/: harness
 
 from harness import ENTRY, GRPO_SMALL, REPO, SMALL_MODEL, env, free_port  # noqa: E402
+from megatron_grpo.metrics_log import read_logged  # noqa: E402
 
 PROBE = os.path.join(HERE, "fault_probe.py")
 JOB_ENV = "MEGATRON_GRPO_RELIABILITY_JOB"
@@ -80,12 +81,12 @@ class Running:
         return int(open(os.path.join(self.workdir, "probe", f"rank-{rank}.pid")).read())
 
     def wait_for_records(self, metrics: str, n: int, timeout: float) -> int:
-        """Block until the metrics file holds n records (the job must still run)."""
+        """Block until the metrics file holds n per-iteration records, as logged (its headers
+        not counted; the job must still run)."""
         deadline = time.monotonic() + timeout
         while True:
             try:
-                with open(metrics) as fh:
-                    have = len(fh.read().splitlines())
+                have = len(read_logged(metrics))
             except OSError:
                 have = 0
             if have >= n:
