@@ -1,20 +1,25 @@
 """The reliability suite's fixtures: the slow gate, the shared reference run, and the table of
-what was tried and what happened, which becomes docs/reliability.md.
+what was tried and what happened, which a session leaves in its results folder (outside the
+checkout) for tests/reliability/report.py to turn into docs/reliability.md.
 
 Slow gate: tests marked ``reliability_slow`` (minutes on 2 cores) are skipped unless selected
 with ``-m reliability_slow`` (or any -m expression naming it without "not") or with
 MEGATRON_GRPO_SLOW=1. The README/CI command (``pytest tests``) therefore runs only the fast part.
 
-docs/reliability.md is rewritten at the end of a session only when the whole suite ran: every
-test file here collected, nothing deselected or picked by node id, the slow tests not gated
-off, every test reported. A partial run (one file, -k, -x stopping early, the fast part only)
-leaves the committed file alone. Regenerate it with
-``MEGATRON_GRPO_SLOW=1 .venv/bin/python -m pytest tests/reliability``.
+Results: every session that recorded a row writes results.json (rows, outcomes, durations,
+and whether the whole suite ran: every test file here collected, nothing deselected or picked
+by node id, the slow tests not gated off, every test reported) into
+$MEGATRON_GRPO_RELIABILITY_RESULTS or <tmp>/megatron_grpo_reliability, never into the checkout
+(a folder inside it is refused at start). No test writes docs/reliability.md; regenerate it with
+``MEGATRON_GRPO_SLOW=1 .venv/bin/python -m pytest tests/reliability`` and then
+``.venv/bin/python tests/reliability/report.py --out docs/reliability.md`` (report.py refuses the
+results of a partial session).
 """
 
 import glob
 import os
 import re
+import subprocess
 import sys
 import time
 
@@ -26,8 +31,8 @@ sys.path.insert(0, os.path.dirname(HERE))  # tests/: harness
 
 from harness import REPO, read_metrics  # noqa: E402
 from reliability_harness import REF_ITERS, REF_SAVE_INTERVAL, base_args, run_job  # noqa: E402
+import report  # noqa: E402
 
-DOC = os.path.join(REPO, "docs", "reliability.md")
 SLOW_MARK = "reliability_slow"
 GATE_REASON = "reliability_slow test (minutes): run with -m reliability_slow or MEGATRON_GRPO_SLOW=1"
 
@@ -43,6 +48,14 @@ def _slow_enabled(config) -> bool:
 
 def _ours(item) -> bool:
     return str(item.fspath).startswith(HERE + os.sep)
+
+
+def pytest_configure(config):
+    if report.inside(report.results_dir(), REPO):
+        raise pytest.UsageError(
+            f"{report.RESULTS_ENV}={report.results_dir()} is inside the checkout {REPO}: the suite "
+            f"never writes there; point it at a folder outside (default: unset, "
+            f"<tmp>/megatron_grpo_reliability)")
 
 
 _STATE = {"items": [], "deselected": 0, "reported": set(), "gated": 0}
@@ -71,7 +84,8 @@ OUTCOMES = {}  # nodeid -> passed / failed / skipped (worst of the phases)
 
 
 class Table:
-    """``table.row(group, tried, expected, happened, ok=True)``: one line of docs/reliability.md.
+    """``table.row(group, tried, expected, happened, ok=True)``: one line of the results (and of
+    docs/reliability.md, once report.py is run).
     ``ok`` False marks a gap: the suite ran it and the result falls short of what is expected
     (the test asserts what does hold; the gap is in the table and in the report)."""
 
@@ -107,93 +121,24 @@ def pytest_runtest_logreport(report):
                          verdict="FAILED", test=report.nodeid))
 
 
-def _complete(session) -> bool:
-    if _STATE["deselected"] or _STATE["gated"] or not _STATE["items"]:
-        return False
+def _incomplete(session) -> str:
+    """Why this session is not the whole suite, or '' when it is."""
+    if _STATE["deselected"]:
+        return f"{_STATE['deselected']} test(s) deselected"
+    if _STATE["gated"]:
+        return f"{_STATE['gated']} reliability_slow test(s) gated off (no -m reliability_slow or MEGATRON_GRPO_SLOW=1)"
+    if not _STATE["items"]:
+        return "no reliability test collected"
     if any("::" in str(a) for a in session.config.args):
-        return False
+        return "tests picked by node id"
     files = {os.path.relpath(p, REPO) for p in glob.glob(os.path.join(HERE, "test_*.py"))}
-    collected = {n.split("::")[0] for n in _STATE["items"]}
-    if not files <= collected:
-        return False
-    return set(_STATE["items"]) <= _STATE["reported"]
-
-
-TMP = re.compile(r"/tmp/pytest-of-[^/]+/pytest-\d+/[^/\s'\"]+/")
-# The issue's order; groups not listed follow in the order their rows came.
-GROUP_ORDER = ["kill -9 of one rank", "Corrupt and truncated checkpoint files",
-               "Unwritable and full checkpoint directories", "Invalid config fields",
-               "NaN/Inf in a gradient of each tier", "A collective that never completes",
-               "SIGTERM (SLURM preemption)", "Invalid config fields, field by field"]
-
-
-def _cell(text) -> str:
-    """One table cell: one line, pipes escaped, pytest's per-run tmp paths cut to <tmp>/."""
-    return TMP.sub("<tmp>/", " ".join(str(text).split())).replace("|", "\\|")
-
-
-def _anchor(title: str) -> str:
-    """GitHub's heading anchor: lower case, punctuation dropped, spaces to dashes."""
-    return re.sub(r"[^a-z0-9 _-]", "", title.lower()).replace(" ", "-")
-
-
-def write_doc(path: str = DOC) -> None:
-    groups = [g for g in GROUP_ORDER if any(r["group"] == g for r in ROWS)]
-    for r in ROWS:
-        if r["group"] not in groups:
-            groups.append(r["group"])
-    lines = [
-        "# Reliability: what was tried and what happened",
-        "",
-        "Generated by the reliability suite (tests/reliability/, issue 8 item 4); do not edit by hand.",
-        "Regenerate: `MEGATRON_GRPO_SLOW=1 .venv/bin/python -m pytest tests/reliability` (the file is",
-        "rewritten only when the whole suite ran). CPU mode: torchrun, gloo, 2 ranks, the small GPT of",
-        "tests/harness.py with GRPO on (GRPO_SMALL) unless a row says otherwise.",
-        "",
-        "Verdict: *as expected*, or *GAP*: the suite ran it, asserts what does hold, and the result",
-        "falls short of the expectation in a way this suite does not fix (see the row). Seconds: the",
-        "test's wall time, including a shared fixture (the reference run) for its first user.",
-        "",
-        "SIGTERM (SLURM preemption, torchrun stopping its ranks) no longer kills a rank inside",
-        "`run()`: the handler notes it, all ranks agree at the end of every iteration (one 4-byte",
-        "all-reduce, not counted in `wire_bytes`), and on any rank's signal every rank saves a",
-        "checkpoint of that iteration (with `--save`), rank 0 prints `SIGTERM on N of W rank(s):",
-        "stopped after iteration K ...`, and the ranks exit 0. The sender's SIGKILL still bounds a",
-        "rank that cannot finish its iteration: torchrun waits 30 s, SLURM KillWait (default 30 s);",
-        "a save that needs longer does not fit in the grace.",
-        "",
-        "NaN/Inf through the probe option (`tests/multiproc/grpo_probe.py --probe-inf`, delayed stable",
-        "mode too, accumulator and carry digests checked) is tested in the default suite, not here:",
-        "`tests/multiproc/test_grpo.py::test_non_finite_gradient_skips_the_step_and_keeps_grpo_state`.",
-        "",
-        "| scenario | rows | as expected | GAP | test failed |",
-        "|---|---|---|---|---|",
-    ]
-    for g in groups:
-        rows = [r for r in ROWS if r["group"] == g]
-        failed = sum(1 for r in rows if OUTCOMES.get(r["test"]) == "failed" or r["verdict"] == "FAILED")
-        lines.append(f"| [{g}](#{_anchor(g)}) | {len(rows)} | "
-                     f"{sum(r['verdict'] == 'as expected' for r in rows)} | "
-                     f"{sum(r['verdict'] == 'GAP' for r in rows)} | {failed} |")
-    lines.append("")
-    for g in groups:
-        rows = [r for r in ROWS if r["group"] == g]
-        lines += [f"## {g}", "", "| what was tried | expected | what happened | verdict | test | s |",
-                  "|---|---|---|---|---|---|"]
-        for r in rows:
-            test = r["test"].split("::", 1)[-1]
-            outcome = OUTCOMES.get(r["test"], "?")
-            verdict = r["verdict"] if outcome != "failed" else f"{r['verdict']}, test FAILED"
-            lines.append(f"| {_cell(r['tried'])} | {_cell(r['expected'])} | {_cell(r['happened'])} | "
-                         f"{verdict} | `{_cell(test)}` | {DURATIONS.get(r['test'], 0):.0f} |")
-        lines.append("")
-    total = sum(DURATIONS.values())
-    slow = sum(d for n, d in DURATIONS.items() if n in _SLOW_IDS)
-    lines += [f"Suite time: {total:.0f} s ({total - slow:.0f} s default part, {slow:.0f} s "
-              f"reliability_slow part), {os.cpu_count()} CPU core(s).", ""]
-    with open(path + ".part", "w") as fh:
-        fh.write("\n".join(lines))
-    os.replace(path + ".part", path)
+    missing = files - {n.split("::")[0] for n in _STATE["items"]}
+    if missing:
+        return f"not collected: {', '.join(sorted(missing))}"
+    unreported = set(_STATE["items"]) - _STATE["reported"]
+    if unreported:
+        return f"{len(unreported)} test(s) never reported (stopped early)"
+    return ""
 
 
 _SLOW_IDS = set()
@@ -204,10 +149,23 @@ def pytest_itemcollected(item):
         _SLOW_IDS.add(item.nodeid)
 
 
+def _commit() -> str:
+    run = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True)
+    return run.stdout.strip() if run.returncode == 0 else "unknown"
+
+
 def pytest_sessionfinish(session, exitstatus):
-    if _complete(session) and ROWS:
-        write_doc()
-        print(f"\nreliability suite complete: wrote {os.path.relpath(DOC, REPO)} ({len(ROWS)} rows)")
+    if not ROWS:
+        return
+    why = _incomplete(session)
+    path = report.save_results(report.results_dir(), {
+        "rows": ROWS, "outcomes": OUTCOMES, "durations": DURATIONS, "slow_ids": sorted(_SLOW_IDS),
+        "complete": not why, "incomplete": why, "cpu_count": os.cpu_count(), "commit": _commit(),
+        "finished": time.strftime("%Y-%m-%d %H:%M:%S")})
+    what = "complete session" if not why else f"partial session: {why}"
+    print(f"\nreliability results ({what}, {len(ROWS)} row{'s' * (len(ROWS) != 1)}): "
+          f"{os.path.dirname(path)}; docs/reliability.md from them: {report.COMMAND}"
+          + (" --allow-partial" if why else ""))
 
 
 # -- shared runs -----------------------------------------------------------------------------------
