@@ -13,6 +13,14 @@ mkdir -p "${GRPO_LOG_DIR:?set GRPO_LOG_DIR}"
 base="$GRPO_LOG_DIR/rank-$(printf %05d "$rank").$host"
 exec > >(tee -a "$base.log") 2>&1
 echo "[rank $rank on $host] local rank ${LOCAL_RANK:-?} of node rank ${GROUP_RANK:-?}, world ${WORLD_SIZE:-?}, log $base.log"
+# The torchrun agent is this wrapper's parent. The training process watches it and stops without
+# saving if it dies (megatron_grpo/training/launcher_watch.py): this wrapper outlives the agent,
+# so the training process cannot tell from its own parent. Its start time tells a reused pid apart.
+GRPO_LAUNCHER_PID=$PPID GRPO_LAUNCHER_START=
+if [ -r "/proc/$PPID/stat" ]; then
+  stat=$(< "/proc/$PPID/stat"); read -r -a fields <<< "${stat##*) }"; GRPO_LAUNCHER_START=${fields[19]}
+fi
+export GRPO_LAUNCHER_PID GRPO_LAUNCHER_START
 # The training process gets its own process group (setsid) so that everything it spawns (e.g.
 # dist_checkpointing's manager process) can be ended with it: if it is killed, orphans would
 # keep the job's output pipe open and SLURM would wait 60 s for that pipe before ending the job.

@@ -25,7 +25,7 @@ from megatron_grpo.comm.wire import wire_counter
 from megatron_grpo.hooks import RunHooks
 from megatron_grpo.metrics import MetricsLogger, peak_rss_bytes, step_peak_rss_bytes
 from megatron_grpo.platform import select_platform
-from megatron_grpo.training import checkpoint_dirs, checkpointing
+from megatron_grpo.training import checkpoint_dirs, checkpointing, launcher_watch, save_lock
 from megatron_grpo.training.config import PretrainConfig
 from megatron_grpo.training.divergence import DivergenceGuard, TrainingDiverged
 from megatron_grpo.training.memory_budget import current_base_bytes
@@ -141,12 +141,28 @@ def run(cfg: PretrainConfig, hooks: Optional[RunHooks] = None) -> RunSummary:
     preemption = _Preemption()
     preemption.install()
     hooks = hooks or default_hooks(cfg)
+    # A rank whose launcher dies exits without saving (launcher_watch); rank 0 holds --save's
+    # lock from start to end (save_lock), released whatever the end, that exit included.
+    lock = save_lock.SaveLock(cfg.checkpoint.save) if cfg.checkpoint.save else None
+    watch = launcher_watch.from_environment(cfg.checkpoint.save)
+    if watch is not None:
+        if lock is not None:
+            watch.before_exit(lock.release)
+        watch.start()
     try:
-        return _run(cfg, hooks, preemption)
+        return _run(cfg, hooks, preemption, lock, watch)
+    except BaseException:
+        if watch is not None:  # a peer that saw the launcher die first left this rank a peer failure
+            watch.check()
+        raise
     finally:
         try:
             hooks.finish()
         finally:
+            if lock is not None:
+                lock.release()
+            if watch is not None:
+                watch.stop()
             preemption.restore()
 
 
@@ -167,7 +183,15 @@ def _apply_memory_budget(cfg: PretrainConfig, platform, vocab: int):
     return budget
 
 
-def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption) -> RunSummary:
+def _before_save(lock, watch) -> None:
+    """No save after the launcher died or with --save's lock lost (launcher_watch, save_lock)."""
+    if watch is not None:
+        watch.check()
+    if lock is not None:
+        save_lock.confirm(lock)
+
+
+def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption, lock=None, watch=None) -> RunSummary:
     t, lg = cfg.training, cfg.logging
     platform = select_platform(force_cpu=t.cpu, local_rank=int(os.environ.get("LOCAL_RANK", 0)))
     from megatron_grpo.megatron import weight_check
@@ -183,6 +207,7 @@ def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption) -> RunSu
     model_parallel_init(cfg)
     if cfg.checkpoint.save:  # an unwritable --save fails now, not after the first save_interval
         checkpointing.check_save_dir(cfg.checkpoint.save)
+        save_lock.acquire(lock)  # one job per --save: before --load reads it or anything is saved
 
     from megatron_grpo.data import MicroBatchIterator
 
@@ -245,6 +270,7 @@ def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption) -> RunSu
 
     if cfg.checkpoint.save and start_iter == 0 and t.train_iters == 0:
         # A seed checkpoint: the initial weights, for runs in other layouts to --init-from.
+        _before_save(lock, watch)
         hooks.before_save()
         checkpointing.save_checkpoint(cfg.checkpoint.save, 0, built, {
             "consumed_samples": 0, "scheduler": built.scheduler.state_dict(),
@@ -335,6 +361,7 @@ def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption) -> RunSu
             iteration == t.train_iters or stopping
             or (cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0))
         if save_due:
+            _before_save(lock, watch)
             hooks.before_save()
             checkpointing.save_checkpoint(cfg.checkpoint.save, iteration, built, {
                 "consumed_samples": train_iter.consumed_samples,

@@ -18,6 +18,7 @@ from harness import losses, read_metrics
 from reliability_harness import (REF_ITERS, REF_SAVE_INTERVAL, rank_errors, run_job, start_job,
                                  torchrun_failure, tree_digest)
 from megatron_grpo.training import checkpointing
+from megatron_grpo.training.save_lock import LOCK_NAME
 
 pytestmark = pytest.mark.reliability_slow
 
@@ -125,6 +126,9 @@ def test_directory_turning_read_only_mid_run(reference, tmp_path, table):
         job = running.finish(timeout=180)
         after = tree_digest(ckpt)
     assert "start_iter=8" in job.out
+    # The job's --save lock (save_lock) cannot be removed from a read-only directory: the next
+    # job on this host takes it over (its owner has exited). Nothing else changed.
+    assert after.pop(LOCK_NAME, None) is not None and f"could not remove {ckpt}/{LOCK_NAME}" in job.err
     assert after == before
     checkpointing.verify_checkpoint(checkpointing.iteration_dir(str(ckpt), 8))
     logged = [r["iteration"] for r in read_metrics(metrics)]

@@ -1,0 +1,225 @@
+"""The --save lock (megatron_grpo/training/save_lock.py): who may take over a lock, and what the
+refusal says. The owners are real processes of this host (alive, exited, zombie, a reused pid)
+or lock files written as another host's job would write them."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import asdict, replace
+
+import pytest
+
+from megatron_grpo.training.save_lock import (LOCK_NAME, STALE_AFTER_S, Owner, SaveLock, SaveLockError,
+                                              process_state, this_process)
+
+
+def _owner_of(pid: int, host: str = None) -> Owner:
+    state = process_state(pid)
+    return replace(this_process(), pid=pid, host=host or socket.gethostname(),
+                   start_ticks=state[1] if state else None, job="4242")
+
+
+def _write(root, owner: Owner, age_s: float = 0.0):
+    path = os.path.join(str(root), LOCK_NAME)
+    with open(path, "w") as fh:
+        json.dump(asdict(owner), fh)
+    if age_s:
+        now = os.stat(path).st_mtime
+        os.utime(path, (now - age_s, now - age_s))
+    return path
+
+
+def _token(path):
+    return json.load(open(path))["token"]
+
+
+@pytest.fixture
+def sleeper():
+    proc = subprocess.Popen(["sleep", "60"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_live_owner_on_this_host_is_refused(tmp_path, sleeper):
+    owner = _owner_of(sleeper.pid)
+    path = _write(tmp_path, owner)
+    with pytest.raises(SaveLockError) as err:
+        SaveLock(str(tmp_path)).acquire()
+    said = str(err.value)
+    host = socket.gethostname()
+    assert said.startswith(f"--save {tmp_path} is in use by another job: {path} is held by pid {sleeper.pid} "
+                           f"on host {host}, SLURM job 4242, lock taken {owner.started} (its owner is "
+                           f"running on this host)."), said
+    assert f"check with `ps -p {sleeper.pid}`), remove {path} and start again" in said
+    assert _token(path) == owner.token  # untouched
+
+
+def test_exited_owner_is_taken_over_with_a_warning(tmp_path, sleeper):
+    owner = _owner_of(sleeper.pid)
+    sleeper.kill()
+    sleeper.wait()
+    path = _write(tmp_path, owner)
+    lock = SaveLock(str(tmp_path))
+    warning = lock.acquire()
+    try:
+        assert warning == (f"WARNING: --save {tmp_path}: took over {path}, left by {owner.describe()}: "
+                           f"process {sleeper.pid} has exited. That job can no longer save here.")
+        assert _token(path) == lock.me.token and lock.still_held() is None
+        assert json.load(open(path))["pid"] == os.getpid()
+    finally:
+        lock.release()
+    assert not os.path.exists(path)
+
+
+def test_zombie_owner_counts_as_exited(tmp_path):
+    proc = subprocess.Popen(["sleep", "60"])
+    owner = _owner_of(proc.pid)
+    os.kill(proc.pid, signal.SIGKILL)
+    while process_state(proc.pid)[0] != "Z":  # killed, not reaped
+        time.sleep(0.01)
+    _write(tmp_path, owner)
+    lock = SaveLock(str(tmp_path))
+    try:
+        assert f"process {proc.pid} has exited" in lock.acquire()
+    finally:
+        lock.release()
+        proc.wait()
+
+
+def test_reused_pid_is_not_the_owner(tmp_path):
+    # The pid is alive (it is this process) but started at another time: another process.
+    owner = _owner_of(os.getpid())
+    owner = replace(owner, start_ticks=owner.start_ticks - 1)
+    _write(tmp_path, owner)
+    lock = SaveLock(str(tmp_path))
+    try:
+        assert (f"pid {os.getpid()} now belongs to another process (started at tick {owner.start_ticks + 1}, "
+                f"the owner at tick {owner.start_ticks})") in lock.acquire()
+    finally:
+        lock.release()
+
+
+def test_rebooted_host_is_not_the_owner(tmp_path):
+    _write(tmp_path, replace(_owner_of(os.getpid()), boot_id="another-boot"))
+    lock = SaveLock(str(tmp_path))
+    try:
+        assert "the host was rebooted since" in lock.acquire()
+    finally:
+        lock.release()
+
+
+def test_other_host_fresh_is_refused(tmp_path):
+    owner = _owner_of(os.getpid(), host="node-b17")
+    path = _write(tmp_path, owner, age_s=120)
+    with pytest.raises(SaveLockError) as err:
+        SaveLock(str(tmp_path)).acquire()
+    said = str(err.value)
+    assert f"is held by pid {os.getpid()} on host node-b17, SLURM job 4242" in said
+    assert (f"(owner on host node-b17: refreshed 120 s ago; its owner cannot be looked up from "
+            f"{socket.gethostname()}, and the lock counts as stale only after {STALE_AFTER_S:.0f} s without "
+            f"a refresh)") in said, said
+    assert f"(check on node-b17 or with `squeue -j 4242`), remove {path} and start again" in said
+    assert _token(path) == owner.token
+
+
+def test_other_host_stale_is_taken_over(tmp_path):
+    owner = _owner_of(os.getpid(), host="node-b17")
+    path = _write(tmp_path, owner, age_s=STALE_AFTER_S + 60)
+    lock = SaveLock(str(tmp_path))
+    try:
+        warning = lock.acquire()
+        assert f"left by {owner.describe()}: owner on host node-b17: not refreshed for " in warning
+        assert f"s (stale after {STALE_AFTER_S:.0f} s; a live owner refreshes it every 30 s)" in warning
+        assert _token(path) == lock.me.token
+    finally:
+        lock.release()
+
+
+def test_unreadable_lock_follows_the_age_rule(tmp_path):
+    path = os.path.join(str(tmp_path), LOCK_NAME)
+    open(path, "w").write("{not json")
+    with pytest.raises(SaveLockError, match="held by an owner this lock file does not name"):
+        SaveLock(str(tmp_path)).acquire()
+    old = os.stat(path).st_mtime - STALE_AFTER_S - 1
+    os.utime(path, (old, old))
+    lock = SaveLock(str(tmp_path))
+    try:
+        assert "left by an owner it does not name (unreadable): unreadable lock: not refreshed" in lock.acquire()
+    finally:
+        lock.release()
+
+
+def test_a_second_acquisition_in_one_process_is_refused_and_release_keeps_the_others(tmp_path):
+    first = SaveLock(str(tmp_path))
+    assert first.acquire() is None
+    with pytest.raises(SaveLockError, match="its owner is running on this host"):
+        SaveLock(str(tmp_path)).acquire()
+    path = first.path
+    # Another job took it over (this one was frozen past the stale time): no save, and release
+    # leaves the new owner's lock.
+    other = replace(_owner_of(os.getpid(), host="node-c3"), token="other")
+    os.remove(path)
+    _write(tmp_path, other)
+    assert first.still_held() == (
+        f"--save {tmp_path}: this job's lock {path} was taken over by {other.describe()} (a job that "
+        f"stopped refreshing it for {STALE_AFTER_S:.0f} s, e.g. suspended or cut off from the filesystem, "
+        f"loses it). No checkpoint is saved over the other job's; this job stops")
+    first.release()
+    assert _token(path) == "other"
+
+
+def test_heartbeat_refreshes_the_lock(tmp_path):
+    lock = SaveLock(str(tmp_path), heartbeat_s=0.05)
+    lock.acquire()
+    try:
+        old = time.time() - 1000
+        os.utime(lock.path, (old, old))
+        deadline = time.monotonic() + 10
+        while os.stat(lock.path).st_mtime < old + 500 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert os.stat(lock.path).st_mtime > old + 500
+    finally:
+        lock.release()
+    assert not os.path.exists(lock.path)
+
+
+def test_a_takeover_under_way_is_not_raced(tmp_path, sleeper):
+    # Another job is taking the dead lock over (its .takeover file is fresh): this one does not
+    # remove the lock as well, and says what to remove if nothing is starting.
+    owner = _owner_of(sleeper.pid)
+    sleeper.kill()
+    sleeper.wait()
+    path = _write(tmp_path, owner)
+    open(path + ".takeover", "w").write("node-x 1\n")
+    with pytest.raises(SaveLockError) as err:
+        SaveLock(str(tmp_path)).acquire()
+    assert str(err.value) == (f"--save {tmp_path}: could not take {path} ({path}.takeover says another job is "
+                              f"taking it over; if no other job is starting on this directory, remove "
+                              f"{path}.takeover). Run one job per --save directory")
+    assert _token(path) == owner.token
+
+
+def test_a_requeued_slurm_job_takes_over_its_earlier_run(tmp_path, monkeypatch):
+    # Same job id, run 0 on another node, refreshed just now (SIGKILLed after its KillWait):
+    # SLURM ended it before this run 1, so there is nothing to wait for.
+    owner = replace(_owner_of(os.getpid(), host="node-b17"), job="777", restart=0)
+    path = _write(tmp_path, owner)
+    monkeypatch.setenv("SLURM_JOB_ID", "777")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    lock = SaveLock(str(tmp_path))
+    try:
+        assert lock.acquire().endswith(
+            f"left by {owner.describe()}: an earlier run of this SLURM job 777 (run 0; this is run 1, "
+            f"requeued), which SLURM ended before this run. That job can no longer save here.")
+        assert json.load(open(path))["restart"] == 1
+    finally:
+        lock.release()
+    # The same run of the same job (two steps of one batch script on one --save) is refused.
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    _write(tmp_path, owner)
+    with pytest.raises(SaveLockError, match=r"refreshed \d+ s ago"):
+        SaveLock(str(tmp_path)).acquire()
