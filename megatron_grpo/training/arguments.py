@@ -341,6 +341,10 @@ def validate(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
         raise ConfigError("--save-interval needs --save DIR")
     if c.overwrite_checkpoints and not c.save:
         raise ConfigError("--overwrite-checkpoints lets saves replace verified checkpoints: it needs --save DIR")
+    if c.override_opt_param_scheduler and c.use_checkpoint_opt_param_scheduler:
+        raise ConfigError("--override-opt_param-scheduler (this run's lr schedule and Adam settings win over a "
+                          "checkpoint's) and --use-checkpoint-opt_param-scheduler (the checkpoint's win) "
+                          "exclude each other; give one")
     if t.exit_after_iter is not None and t.exit_after_iter <= 0:
         raise ConfigError(f"--exit-after-iter must be positive, got {t.exit_after_iter}")
     if t.max_consecutive_skipped_steps < 0:

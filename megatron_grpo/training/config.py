@@ -188,6 +188,19 @@ class CheckpointSettings:
     """Let this run replace complete, verified iter_* directories under --save (a fresh run into
     an earlier run's directory, or a resume from an older iteration than the newest). Off: such
     a run stops at start, naming the directories, and a save never replaces a verified one."""
+    override_opt_param_scheduler: bool = False
+    """With --load: where this run's lr schedule (--lr, --min-lr, --lr-warmup-iters,
+    --lr-decay-iters or --train-iters, --lr-decay-style, --weight-decay) or Adam's betas and eps
+    differ from the checkpoint's, use this run's, from the saved position on (Megatron-LM's flag;
+    a longer --train-iters then stretches the decay). Without this flag or
+    --use-checkpoint-opt_param-scheduler such a resume is refused, naming each value."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """With --load: keep the checkpoint's lr schedule and Adam betas and eps where this run's
+    differ (Megatron-LM's flag), with a WARNING naming each."""
+
+    FLAG_NAMES = {"override_opt_param_scheduler": "--override-opt_param-scheduler",
+                  "use_checkpoint_opt_param_scheduler": "--use-checkpoint-opt_param-scheduler"}
+    """Megatron-LM's spelling of the two flags."""
 
 
 @dataclass

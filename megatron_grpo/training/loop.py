@@ -25,7 +25,7 @@ from megatron_grpo.comm.wire import wire_counter
 from megatron_grpo.hooks import RunHooks
 from megatron_grpo.metrics import MetricsLogger, peak_rss_bytes, step_peak_rss_bytes
 from megatron_grpo.platform import select_platform
-from megatron_grpo.training import checkpoint_dirs, checkpointing, launcher_watch, save_lock
+from megatron_grpo.training import checkpoint_dirs, checkpointing, launcher_watch, resume_flags, save_lock
 from megatron_grpo.training.config import PretrainConfig
 from megatron_grpo.training.divergence import DivergenceGuard, TrainingDiverged
 from megatron_grpo.training.memory_budget import current_base_bytes
@@ -241,12 +241,13 @@ def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption, lock=Non
                       f"starting from scratch", flush=True)
             load = None
     if load:
+        resume_flags.check_not_past_end(load, resume, cfg, dist.get_rank())
         common, rank_extra = checkpointing.load_checkpoint(
             load, built, iteration=None if resume == checkpoint_dirs.USE_TRACKER else resume,
             record=model_rec, load_optim=cfg.checkpoint.load_optim)
         start_iter = int(common["iteration"])
         consumed = int(common["consumed_samples"])
-        built.scheduler.load_state_dict(common["scheduler"])
+        resume_flags.restore(cfg, common, built, load)  # the lr schedule; refuses or says what changed
         hooks.load_state(common.get("extensions", {}))
         hooks.load_rank_state(rank_extra)
     elif cfg.checkpoint.init_from:
@@ -274,6 +275,7 @@ def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption, lock=Non
         hooks.before_save()
         checkpointing.save_checkpoint(cfg.checkpoint.save, 0, built, {
             "consumed_samples": 0, "scheduler": built.scheduler.state_dict(),
+            "run_flags": resume_flags.run_flags(cfg),
             "extensions": hooks.checkpoint_state()}, hooks.rank_state(), model_rec,
             overwrite=cfg.checkpoint.overwrite_checkpoints)
     step_times: List[float] = []
@@ -365,7 +367,7 @@ def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption, lock=Non
             hooks.before_save()
             checkpointing.save_checkpoint(cfg.checkpoint.save, iteration, built, {
                 "consumed_samples": train_iter.consumed_samples,
-                "scheduler": built.scheduler.state_dict(),
+                "scheduler": built.scheduler.state_dict(), "run_flags": resume_flags.run_flags(cfg),
                 "extensions": hooks.checkpoint_state(),
             }, hooks.rank_state(), model_rec, overwrite=cfg.checkpoint.overwrite_checkpoints)
             counter.reset()

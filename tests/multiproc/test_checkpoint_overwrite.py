@@ -35,7 +35,9 @@ def test_verified_checkpoints_are_resumed_not_overwritten(stdlib_data, tmp_path)
 
     # The requeue idiom with the tracker lost: resume from the newest verified directory.
     metrics = tmp_path / "resumed.jsonl"
+    # --train-iters 24 would change the 20-iteration lr decay: keep the checkpoint's (resume_flags).
     proc = run_training(2, [*base, "--train-iters", "24", "--save", str(ckpt), "--load", str(ckpt),
+                            "--use-checkpoint-opt_param-scheduler",
                             "--metrics-file", str(metrics)])
     warning = [line for line in proc.stdout.splitlines() if line.startswith("WARNING: --load")]
     assert warning == [f"WARNING: --load {ckpt}: no {TRACKER}, but {ckpt}/iter_0000020 is a complete "

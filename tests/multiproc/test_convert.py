@@ -205,7 +205,8 @@ def test_strip_grpo_gives_a_checkpoint_the_baseline_resumes(gpt_tied_ckpt, stdli
     source = json.loads(tool("inspect", gpt_tied_ckpt, "--json").stdout)
     assert source["grpo_state"] is True  # the source is untouched (and its checksums still verify)
     base = [*SMALL_MODEL, "--data-path", stdlib_data, "--no-untie-embeddings-and-output-weights",
-            "--train-iters", "10", "--eval-interval", "10", "--eval-iters", "1", "--load", plain]
+            "--train-iters", "10", "--eval-interval", "10", "--eval-iters", "1", "--load", plain,
+            "--use-checkpoint-opt_param-scheduler"]  # written with --train-iters 8: keep its lr decay
     # The optimizer state is saved per DDP bucket: the baseline's own 20000-element buckets are
     # refused with the way out, before megatron's shape error.
     proc = run_training(2, base, check=False)
@@ -270,6 +271,7 @@ def test_a_checkpoint_of_other_versions_is_loaded_and_named(gpt_tied_ckpt, stdli
     json.dump(m, open(manifest, "w"))
     proc = run_training(2, [*SMALL_MODEL, *GRPO_SMALL, "--data-path", stdlib_data,
                             "--no-untie-embeddings-and-output-weights", "--train-iters", "9",
-                            "--eval-interval", "9", "--eval-iters", "1", "--load", copy])
+                            "--eval-interval", "9", "--eval-iters", "1", "--load", copy,
+                            "--use-checkpoint-opt_param-scheduler"])  # keep the 8-iteration decay
     assert (f"[checkpoint] --load {copy}: written with megatron-core 0.15.0 there, {ours} here; "
             f"megatron-grpo 0.0.9 there, 0.1.0 here") in proc.stdout

@@ -61,6 +61,10 @@ RANGE = {
     "checkpoint.save": None, "checkpoint.save_interval": ["--save-interval", "0", "--save", "d"],
     "checkpoint.load": ["--load", "a", "--init-from", "b"], "checkpoint.init_from": ["--init-from", "b", "--load", "a"], "checkpoint.load_optim": None,
     "checkpoint.overwrite_checkpoints": ["--overwrite-checkpoints"],  # without --save
+    "checkpoint.override_opt_param_scheduler": ["--override-opt_param-scheduler",
+                                                "--use-checkpoint-opt_param-scheduler"],  # both
+    "checkpoint.use_checkpoint_opt_param_scheduler": ["--use-checkpoint-opt_param-scheduler",
+                                                      "--override-opt_param-scheduler"],
     "logging.log_interval": ["--log-interval", "0"], "logging.eval_interval": ["--eval-interval", "0"],
     "logging.eval_iters": ["--eval-iters", "-1"], "logging.metrics_file": None, "logging.tensorboard_dir": None,
     "logging.run_name": None, "logging.check_weight_hash_interval": ["--check-weight-hash-interval", "0"],
