@@ -30,7 +30,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))  # tests/: harness
 
 from harness import REPO, read_metrics  # noqa: E402
-from reliability_harness import REF_ITERS, REF_SAVE_INTERVAL, base_args, run_job  # noqa: E402
+from reliability_harness import REF_ITERS, REF_SAVE_INTERVAL, base_args, run_to_end  # noqa: E402
 import report  # noqa: E402
 
 SLOW_MARK = "reliability_slow"
@@ -188,9 +188,9 @@ def reference(stdlib_data, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reference")
     metrics = str(tmp / "ref.jsonl")
     t0 = time.monotonic()
-    job = run_job(tmp / "job", 2, [*base_args(stdlib_data), "--save", str(tmp / "ckpt"),
-                                   "--save-interval", str(REF_SAVE_INTERVAL), "--metrics-file", metrics],
-                  probe=False, timeout=300)
+    job = run_to_end(tmp / "job", 2, [*base_args(stdlib_data), "--save", str(tmp / "ckpt"),
+                                      "--save-interval", str(REF_SAVE_INTERVAL), "--metrics-file", metrics],
+                     watch=[metrics, tmp / "ckpt"], probe=False)  # no wall-clock budget: load slows it
     assert job.rc == 0, job.text[-5000:]
     records = read_metrics(metrics)
     assert [r["iteration"] for r in records] == list(range(1, REF_ITERS + 1))

@@ -36,6 +36,12 @@ JOB_ENV = "MEGATRON_GRPO_RELIABILITY_JOB"
 REF_ITERS = 16
 REF_SAVE_INTERVAL = 4
 
+# Waiting on events, not on wall-clock budgets a loaded machine exhausts: a job is given up on
+# only when nothing it writes (output, probe records, metrics lines, files under the watched
+# folders) changed for STALL_S seconds -- a hang, not slowness -- or after CAP_S in all.
+STALL_S = 300
+CAP_S = 3600
+
 
 def base_args(data) -> List[str]:
     return [*SMALL_MODEL, *GRPO_SMALL, "--data-path", data, "--train-iters", str(REF_ITERS),
@@ -111,6 +117,45 @@ class Running:
     def _tail(self) -> str:
         return "".join(open(f.name).read()[-3000:] for f in self._files)
 
+    def _activity(self, watch: Sequence) -> tuple:
+        """(path, size, mtime) of every file the job writes: its output and probe records
+        (under its workdir) and anything under ``watch`` (metrics file, checkpoint folder)."""
+        seen = []
+        for root in (self.workdir, *[str(w) for w in watch]):
+            paths = [root] if os.path.isfile(root) else \
+                [os.path.join(base, f) for base, _, files in os.walk(root) for f in files]
+            for path in paths:
+                try:
+                    st = os.stat(path)
+                except OSError:  # renamed or removed meanwhile (a save's tmp directory)
+                    continue
+                seen.append((path, st.st_size, st.st_mtime_ns))
+        return tuple(sorted(seen))
+
+    def wait_progressing(self, done, what: str, watch: Sequence = (), stall_s: float = STALL_S,
+                         cap_s: float = CAP_S) -> None:
+        """Block until ``done()``; the job must keep running meanwhile unless ``done`` is its end.
+        Gives up (killing the job, raising with its output) only when the job wrote nothing for
+        ``stall_s`` seconds or ran ``cap_s`` in all: load slows a job, it does not stop it."""
+        t0 = last = time.monotonic()
+        activity = None
+        while not done():
+            if self.proc.poll() is not None:
+                if done():  # it happened just before the end
+                    return
+                raise AssertionError(f"job ended (rc {self.proc.returncode}) before {what}:\n{self._tail()}")
+            now = time.monotonic()
+            current = self._activity(watch)
+            if current != activity:
+                activity, last = current, now
+            if now - last > stall_s or now - t0 > cap_s:
+                why = (f"nothing written for {stall_s:.0f} s" if now - last > stall_s
+                       else f"still running after {cap_s:.0f} s")
+                job = self.finish(timeout=0)
+                raise AssertionError(f"gave up waiting for {what} ({why}; {now - t0:.0f} s since the "
+                                     f"start; killed {len(job.leftovers)} process(es)):\n{job.text[-6000:]}")
+            time.sleep(0.2)
+
     def finish(self, timeout: float) -> Job:
         try:
             rc = self.proc.wait(timeout)
@@ -150,6 +195,26 @@ def start_job(workdir, nproc: int, args: Sequence[str], faults: Sequence[str] = 
 def run_job(workdir, nproc: int, args: Sequence[str], faults: Sequence[str] = (),
             probe: bool = True, timeout: float = 300, extra_env: Optional[Dict[str, str]] = None) -> Job:
     return start_job(workdir, nproc, args, faults, probe, extra_env).finish(timeout)
+
+
+def run_to_end(workdir, nproc: int, args: Sequence[str], watch: Sequence = (), faults: Sequence[str] = (),
+               probe: bool = True, extra_env: Optional[Dict[str, str]] = None) -> Job:
+    """run_job without a wall-clock budget: the job runs to its end as long as it makes progress
+    (Running.wait_progressing; ``watch``: its metrics file, checkpoint folder)."""
+    running = start_job(workdir, nproc, args, faults, probe, extra_env)
+    running.wait_progressing(lambda: running.proc.poll() is not None, "the job's end", watch)
+    return running.finish(timeout=0)
+
+
+def run_until_fault(workdir, nproc: int, args: Sequence[str], faults: Sequence[str], watch: Sequence = (),
+                    after_fault_s: float = 300, extra_env: Optional[Dict[str, str]] = None) -> Job:
+    """Start a probe job, wait for the event its fault is tied to (the probe's fault.json, written
+    just before it fires) as long as the job makes progress, then give the job ``after_fault_s``
+    to end: a loaded machine delays the fault, it cannot make the test give up before it."""
+    running = start_job(workdir, nproc, args, faults, True, extra_env)
+    path = os.path.join(running.workdir, "probe", "fault.json")
+    running.wait_progressing(lambda: os.path.isfile(path), "its fault", watch)
+    return running.finish(after_fault_s)
 
 
 def job_processes(job_id: str) -> List[int]:
