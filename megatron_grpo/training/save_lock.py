@@ -19,6 +19,9 @@ process on another node cannot be looked up, hence the rules:
   interval or a slow step does not age it); a lock not refreshed for ``STALE_AFTER_S`` seconds
   (its node died or lost the filesystem) is taken over with a WARNING. The age is measured
   against the filesystem's own clock (the mtime of a file written just now), not this node's;
+* the owner on another host was a SLURM job (not this one): squeue says whether it still runs;
+  one that has ended is taken over at once, one that runs is refused. Where squeue cannot be
+  asked, the heartbeat rule above decides;
 * a lock that cannot be read (not ours: a partial write is impossible, see below) follows the
   other-host rule on its mtime;
 * a requeued SLURM job (same SLURM_JOB_ID, higher SLURM_RESTART_COUNT) takes over its earlier
@@ -40,6 +43,7 @@ import errno
 import json
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -59,6 +63,11 @@ STALE_AFTER_S = 600.0
 """A lock of another host not refreshed for this long is taken over (20 missed heartbeats)."""
 TAKEOVER_STALE_S = 60.0
 """A ``.takeover`` file older than this was left by a job that died inside a takeover."""
+
+
+SLURM_ENDED = ("BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL",
+               "OUT_OF_MEMORY", "PREEMPTED", "TIMEOUT")
+"""squeue states of a job whose processes have all ended (COMPLETING has not: it still runs)."""
 
 
 class SaveLockError(CheckpointError):
@@ -107,6 +116,19 @@ def this_process() -> Owner:
 def _restart_count() -> int:
     text = os.environ.get("SLURM_RESTART_COUNT", "0")
     return int(text) if text.isdigit() else 0
+
+
+def slurm_job_state(job: str) -> Optional[str]:
+    """SLURM job ``job``'s state as squeue reports it ('' once squeue lists it no more), or None
+    where SLURM cannot be asked (no squeue, no controller, a timeout)."""
+    try:
+        out = subprocess.run(["squeue", "--noheader", "--jobs", job, "--format", "%T"],
+                             capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:  # a purged job id is an error; so is an unreachable controller
+        return "" if "invalid job id" in out.stderr.lower() else None
+    return out.stdout.strip().split("\n")[0].strip()
 
 
 def owner_alive(owner: Owner) -> Tuple[bool, str]:
@@ -216,6 +238,11 @@ class SaveLock:
             alive, why = owner_alive(owner)
             return (False, "its owner is running on this host") if alive else (True, why)
         whose = "unreadable lock" if owner is None else f"owner on host {owner.host}"
+        state = slurm_job_state(owner.job) if owner is not None and owner.job and owner.job != job else None
+        if state is not None:  # SLURM knows whether that job still runs: no need to wait
+            if state in ("", *SLURM_ENDED):
+                return True, f"{whose}: SLURM job {owner.job} has ended (squeue: {state or 'not listed'})"
+            return False, f"{whose}: SLURM job {owner.job} is {state} (squeue)"
         if age_s > self.stale_after_s:
             return True, (f"{whose}: not refreshed for {age_s:.0f} s (stale after {self.stale_after_s:.0f} s; "
                           f"a live owner refreshes it every {self.heartbeat_s:.0f} s)")

@@ -36,6 +36,25 @@ def _token(path):
     return json.load(open(path))["token"]
 
 
+def _fake_squeue(bin_dir, out: str = "", err: str = "", rc: int = 0):
+    path = os.path.join(str(bin_dir), "squeue")
+    with open(path, "w") as fh:
+        fh.write(f"#!/bin/sh\necho \"$*\" >> {bin_dir}/squeue.calls\nprintf '{out}'\n"
+                 f"printf '{err}' >&2\nexit {rc}\n")
+    os.chmod(path, 0o755)
+
+
+@pytest.fixture(autouse=True)
+def squeue(tmp_path_factory, monkeypatch):
+    """A squeue of our own on PATH (default: no controller to ask), so no test asks a real one."""
+    bin_dir = tmp_path_factory.mktemp("bin")
+    _fake_squeue(bin_dir, err="squeue: error: Unable to contact slurm controller", rc=1)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    return bin_dir
+
+
 @pytest.fixture
 def sleeper():
     proc = subprocess.Popen(["sleep", "60"])
@@ -223,3 +242,31 @@ def test_a_requeued_slurm_job_takes_over_its_earlier_run(tmp_path, monkeypatch):
     _write(tmp_path, owner)
     with pytest.raises(SaveLockError, match=r"refreshed \d+ s ago"):
         SaveLock(str(tmp_path)).acquire()
+
+
+@pytest.mark.parametrize("out,err,rc,verdict", [
+    ("RUNNING\\n", "", 0, "is RUNNING (squeue)"),
+    ("SUSPENDED\\n", "", 0, "is SUSPENDED (squeue)"),
+    ("", "", 0, "has ended (squeue: not listed)"),
+    ("TIMEOUT\\n", "", 0, "has ended (squeue: TIMEOUT)"),
+    ("", "slurm_load_jobs error: Invalid job id specified", 1, "has ended (squeue: not listed)"),
+])
+def test_another_hosts_slurm_job_is_looked_up_with_squeue(tmp_path, squeue, out, err, rc, verdict):
+    # Refreshed just now: without squeue the lock would be refused for STALE_AFTER_S.
+    owner = _owner_of(os.getpid(), host="node-b17")
+    path = _write(tmp_path, owner)
+    _fake_squeue(squeue, out, err, rc)
+    lock = SaveLock(str(tmp_path))
+    if "ended" in verdict:
+        try:
+            assert lock.acquire() == (f"WARNING: --save {tmp_path}: took over {path}, left by {owner.describe()}: "
+                                      f"owner on host node-b17: SLURM job 4242 {verdict}. That job can no longer "
+                                      f"save here.")
+        finally:
+            lock.release()
+    else:
+        with pytest.raises(SaveLockError) as err_info:
+            lock.acquire()
+        assert f"(owner on host node-b17: SLURM job 4242 {verdict})" in str(err_info.value)
+        assert _token(path) == owner.token
+    assert open(squeue / "squeue.calls").read() == "--noheader --jobs 4242 --format %T\n"
