@@ -51,7 +51,7 @@ def test_a_silent_job_is_a_hang_killed_after_the_stall_limit(tmp_path):
     assert 1.5 < time.monotonic() - t0 < 10
     said = str(err.value)
     assert said.startswith("gave up waiting for its fault (nothing written for 2 s; ") and "started" in said, said
-    assert running.proc.poll() is not None and job_processes(running.job_id) == []
+    assert running.proc.wait(timeout=10) == -9 and job_processes(running.job_id) == []  # SIGKILLed
 
 
 def test_a_job_that_ends_before_its_event_is_reported(tmp_path):
