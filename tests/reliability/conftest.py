@@ -84,17 +84,19 @@ OUTCOMES = {}  # nodeid -> passed / failed / skipped (worst of the phases)
 
 
 class Table:
-    """``table.row(group, tried, expected, happened, ok=True)``: one line of the results (and of
-    docs/reliability.md, once report.py is run).
+    """``table.row(group, tried, expected, happened, ok=True, case="")``: one line of the results
+    (and of docs/reliability.md, once report.py is run).
     ``ok`` False marks a gap: the suite ran it and the result falls short of what is expected
-    (the test asserts what does hold; the gap is in the table and in the report)."""
+    (the test asserts what does hold; the gap is in the table and in the report).
+    ``case``: the issue case the row is evidence for, e.g. "30.1" (report.ISSUE_30)."""
 
     def __init__(self, nodeid: str):
         self.nodeid = nodeid
 
-    def row(self, group: str, tried: str, expected: str, happened: str, ok: bool = True) -> None:
+    def row(self, group: str, tried: str, expected: str, happened: str, ok: bool = True,
+            case: str = "") -> None:
         ROWS.append(dict(group=group, tried=tried, expected=expected, happened=happened,
-                         verdict="as expected" if ok else "GAP", test=self.nodeid))
+                         verdict="as expected" if ok else "GAP", test=self.nodeid, case=case))
 
 
 @pytest.fixture

@@ -32,7 +32,23 @@ TMP = re.compile(r"/tmp/pytest-of-[^/]+/pytest-\d+/[^/\s'\"]+/")
 GROUP_ORDER = ["kill -9 of one rank", "Corrupt and truncated checkpoint files",
                "Unwritable and full checkpoint directories", "Invalid config fields",
                "NaN/Inf in a gradient of each tier", "A collective that never completes",
-               "SIGTERM (SLURM preemption)", "Invalid config fields, field by field"]
+               "SIGTERM (SLURM preemption)", "Invalid config fields, field by field",
+               # issue 30 ("Never lose a run"), in its order
+               "Verified checkpoints are never overwritten", "One job per checkpoint directory",
+               "kill -9 of the launcher", "Resume with changed flags", "A diverged run",
+               "Damaged training data", "The metrics file"]
+# Issue 30's numbered cases: a row names the one it is evidence for (``table.row(..., case="30.1")``).
+# 8 and 9 are about the suite itself: their outcome is the kill tests' and this document's.
+ISSUE_30 = [("30.1", "Verified checkpoints are never overwritten"),
+            ("30.2", "One job per checkpoint directory"),
+            ("30.3", "Ranks die with their launcher"),
+            ("30.4", "Resume honours what the user changed, or says why not"),
+            ("30.5", "A diverged run stops"),
+            ("30.6", "Damaged data found at start, named"),
+            ("30.7", "The metrics file is an append-only log; a full checkpoint disk says so"),
+            ("30.8", "Flaky under load: faults fire on events, not wall-clock budgets"),
+            ("30.9", "docs/reliability.md from a run that does not touch the checkout")]
+FLAKY = "tests/reliability/test_kill.py::"
 
 
 def results_dir() -> str:
@@ -63,6 +79,36 @@ def _cell(text) -> str:
 def _anchor(title: str) -> str:
     """GitHub's heading anchor: lower case, punctuation dropped, spaces to dashes."""
     return re.sub(r"[^a-z0-9 _-]", "", title.lower()).replace(" ", "-")
+
+
+def _issue_30(results: Dict, rows: List[Dict]) -> List[str]:
+    """One line per case of issue 30: where its rows are and how they came out."""
+    outcomes, durations = results["outcomes"], results["durations"]
+    lines = ["## Never lose a run (issue 30): each case and its outcome", "",
+             "| case | outcome in this session |", "|---|---|"]
+    for case, title in ISSUE_30:
+        mine = [r for r in rows if r.get("case") == case]
+        if case == "30.8":
+            kills = {n: o for n, o in outcomes.items() if n.startswith(FLAKY)}
+            said = (f"the kill tests (tests/reliability/test_kill.py) wait for the probe's fault event and "
+                    f"give up only on a job that writes nothing for minutes: {sum(o == 'passed' for o in kills.values())} "
+                    f"of {len(kills)} passed, in " + ", ".join(f"{durations.get(n, 0):.0f} s" for n in sorted(kills))
+                    if kills else "the kill tests did not run in this session")
+        elif case == "30.9":
+            said = (f"this document, written by `{COMMAND}` from the results of a "
+                    f"{'complete' if results['complete'] else 'partial'} session ({len(rows)} rows, commit "
+                    f"{str(results.get('commit', 'unknown'))[:12]}, finished {results.get('finished', '?')}); "
+                    f"the session wrote them to its results folder, outside the checkout")
+        elif not mine:
+            said = "no row in this session"
+        else:
+            groups = list(dict.fromkeys(r["group"] for r in mine))
+            failed = sum(1 for r in mine if outcomes.get(r["test"]) == "failed" or r["verdict"] == "FAILED")
+            said = (f"{len(mine)} row(s) in " + ", ".join(f"[{g}](#{_anchor(g)})" for g in groups) +
+                    f": {sum(r['verdict'] == 'as expected' for r in mine)} as expected, "
+                    f"{sum(r['verdict'] == 'GAP' for r in mine)} GAP, {failed} test(s) failed")
+        lines.append(f"| {case[3:]}. {_cell(title)} | {said} |")
+    return lines + [""]
 
 
 def render(results: Dict) -> str:
@@ -113,6 +159,7 @@ def render(results: Dict) -> str:
                      f"{sum(r['verdict'] == 'as expected' for r in rows_g)} | "
                      f"{sum(r['verdict'] == 'GAP' for r in rows_g)} | {failed} |")
     lines.append("")
+    lines += _issue_30(results, rows)
     for g in groups:
         lines += [f"## {g}", "", "| what was tried | expected | what happened | verdict | test | s |",
                   "|---|---|---|---|---|---|"]

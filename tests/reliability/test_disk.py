@@ -193,4 +193,4 @@ def test_full_disk_then_resume_after_space_is_freed(reference, tmp_path, table):
               f"\"{said0}\"; left on disk: {', '.join(left)}; tracker "
               f"still 4, checkpoint 4 verified; after remounting with 64 MB, --load resumed from 4 "
               f"and iterations 5..{REF_ITERS} were bit-identical (the partial iter_0000008.tmp was replaced)",
-              ok=True)
+              ok=True, case="30.7")

@@ -103,4 +103,5 @@ def test_kill_9_mid_save_then_resume(reference, tmp_path, table, victim, point):
               f"torchrun rc {job.rc} {took:.1f} s after the kill; {summary}; left on disk: {left[0]} "
               f"{'(complete, tracker still ' + str(last) + ')' if point == 'tracker' else '(no manifest)'}; "
               f"resume loaded {resumed_from}"
-              + ("" if point == "tracker" else f", replaced {left[0]}") + f", {n} iterations bit-identical")
+              + ("" if point == "tracker" else f", replaced {left[0]}") + f", {n} iterations bit-identical",
+              case="30.1" if point == "tracker" else "")

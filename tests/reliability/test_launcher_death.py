@@ -89,7 +89,7 @@ def test_ranks_stop_without_saving_when_the_agent_is_killed(stdlib_data, tmp_pat
                          f"200-iteration run",
                   f"every rank stops within {BOUND_S} s, saves nothing, says why",
                   f"all {len(ranks)} processes of the job gone {took:.1f} s after the kill; checkpoints "
-                  f"{sorted(after)}, tracker {newest}; rank 0 said \"{said[0][0][:170]}...\"")
+                  f"{sorted(after)}, tracker {newest}; rank 0 said \"{said[0][0][:170]}...\"", case="30.3")
     finally:
         kill_job(job_id)
         try:

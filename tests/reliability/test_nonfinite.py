@@ -101,7 +101,7 @@ def test_a_nan_loss_stops_the_run_before_its_next_save(stdlib_data, tmp_path, ta
                               "iteration 7), --save every 5, baseline",
               "the run stops at the first non-finite loss, naming it; no checkpoint after it",
               f"rc {job.rc} at iteration 7; rank 0: \"{said[0][:200]}...\"; {ckpt.name} holds "
-              f"{', '.join(_iters(ckpt))} only")
+              f"{', '.join(_iters(ckpt))} only", case="30.5")
 
 
 def test_non_finite_weights_are_never_saved(stdlib_data, tmp_path, table):
@@ -124,7 +124,8 @@ def test_non_finite_weights_are_never_saved(stdlib_data, tmp_path, table):
     table.row(DIVERGED_GROUP, "the same run with --no-check-for-nan-in-loss-and-grad "
                               "--max-consecutive-skipped-steps 0 (weights NaN from iteration 7)",
               "the save at iteration 10 is refused, the previous checkpoint kept",
-              f"rc {job.rc}; rank 0: \"{said[0][:200]}...\"; {ckpt.name} holds {', '.join(_iters(ckpt))}")
+              f"rc {job.rc}; rank 0: \"{said[0][:200]}...\"; {ckpt.name} holds {', '.join(_iters(ckpt))}",
+              case="30.5")
 
 
 def test_consecutive_skipped_steps_stop_the_run(stdlib_data, tmp_path, table):
@@ -147,4 +148,4 @@ def test_consecutive_skipped_steps_stop_the_run(stdlib_data, tmp_path, table):
     table.row(DIVERGED_GROUP, "NaN in a core gradient on rank 1 at iterations 3, 4, 5 (GRPO), "
                               "--max-consecutive-skipped-steps 3",
               "the run stops after the third skipped step in a row, naming the flag",
-              f"rc {job.rc} at iteration {m[-1]['iteration']}; rank 0: \"{said[0][:200]}...\"")
+              f"rc {job.rc} at iteration {m[-1]['iteration']}; rank 0: \"{said[0][:200]}...\"", case="30.5")

@@ -51,4 +51,4 @@ def test_second_job_on_a_held_save_directory_stops_at_start(stdlib_data, tmp_pat
               "the second job stops at start on every rank naming the lock and its owner; the first "
               "job's directory unchanged",
               f"rc {job.rc}; {summary}; rank 1 said \"{errors[1].replace(str(tmp_path) + '/', '')[:400]}\"; "
-              f"directory unchanged (sha256 of every file, the lock included)")
+              f"directory unchanged (sha256 of every file, the lock included)", case="30.2")
