@@ -85,11 +85,13 @@ def test_tensor_parallel_2_to_1_with_no_load_optim(stdlib_data, tmp_path):
     tp2 = [*common, "--tensor-model-parallel-size", "2"]
     ckpt = str(tmp_path / "ck")
     # One run gives the reference and the checkpoint (saving does not change the run: the
-    # bit-identical resume tests); the tracker then names iteration 10, as docs/checkpoints.md
-    # says to load an earlier checkpoint.
+    # bit-identical resume tests); then roll back to iteration 10 as docs/checkpoints.md says:
+    # the tracker names 10 and the newer verified iter_0000016 moves out of the directory (left
+    # there, --load would resume from it: the newest verified checkpoint wins over the tracker).
     full = train_and_read(tmp_path, "tp2", 2, [*tp2, "--save", ckpt, "--save-interval", "10"])
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as fh:
         fh.write("10")
+    os.rename(os.path.join(ckpt, "iter_0000016"), str(tmp_path / "iter_0000016.moved"))
     proc = run_training(1, [*common, "--load", ckpt], check=False)  # with the optimizer: refused
     assert proc.returncode != 0 and "written at tensor x pipeline parallel 2 x 1, this run is 1 x 1" in proc.stdout + proc.stderr
     metrics = str(tmp_path / "tp1.jsonl")
