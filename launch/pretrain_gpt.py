@@ -76,6 +76,17 @@ def _peer_failure(exc: BaseException):
             f"the cause, this rank only saw: {first[:300]}")
 
 
+def say_error(rank: str, message) -> None:
+    """One line ``error (rank R on HOST): message`` on stderr, in ONE write. Every rank of a job
+    shares torchrun's stderr, and print() writes the text and its newline separately when stderr
+    is unbuffered (PYTHONUNBUFFERED=1, as the launchers set it): under load another rank's line
+    then lands between them, and a log reader finds neither rank's line where it begins."""
+    sys.stderr.flush()
+    line = f"error (rank {rank}): {message}\n".encode("utf-8", "replace")
+    while line:  # a pipe takes up to PIPE_BUF (4 KiB) bytes atomically; longer lines loop
+        line = line[os.write(2, line):]
+
+
 def main(argv=None) -> int:
     from megatron_grpo.training.arguments import ConfigError, parse_args
     from megatron_grpo.training.checkpointing import CheckpointError
@@ -86,7 +97,7 @@ def main(argv=None) -> int:
     try:
         cfg = parse_args(argv, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as exc:
-        print(f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
+        say_error(rank, exc)
         return 2
     from megatron_grpo.training.loop import run, shutdown
 
@@ -94,13 +105,13 @@ def main(argv=None) -> int:
         per_rank_log = os.environ.get("MEGATRON_GRPO_RANK_LOG") == "1"
         run(cfg, _rank_log_hooks(cfg, f"rank {rank}") if per_rank_log else None)
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as exc:
-        print(f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
+        say_error(rank, exc)
         return 2
     except RuntimeError as exc:  # DistBackendError and gloo's errors are RuntimeErrors
         message = _peer_failure(exc)
         if message is None:
             raise  # a bug, not a lost peer: keep the traceback
-        print(f"error (rank {rank}): {message}", file=sys.stderr, flush=True)
+        say_error(rank, message)
         return 3
     shutdown()
     return 0
