@@ -177,3 +177,17 @@ def spawn_ranks(worker, nranks: int = 2, timeout: int = 120) -> list:
         p.join(60)
         assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
     return results
+
+
+def file_digests(root) -> Dict[str, str]:
+    """relative path -> sha256 of every file under ``root``: what a test compares to show a
+    checkpoint directory was left untouched."""
+    import hashlib
+
+    out = {}
+    for base, _, files in os.walk(str(root)):
+        for name in files:
+            path = os.path.join(base, name)
+            with open(path, "rb") as fh:
+                out[os.path.relpath(path, str(root))] = hashlib.sha256(fh.read()).hexdigest()
+    return out

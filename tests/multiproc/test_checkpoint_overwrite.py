@@ -7,21 +7,11 @@ directory is resumed from, with a WARNING; a run that would replace verified dir
 refused at start unless it passes --overwrite-checkpoints. The decision rules themselves are
 unit-tested in tests/unit/test_checkpoint_checks.py."""
 
-import hashlib
-import os
 
-from harness import SMALL_MODEL, read_metrics, run_training
+from harness import SMALL_MODEL, file_digests, read_metrics, run_training
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
-
-def _digest(root):
-    out = {}
-    for base, _, files in os.walk(root):
-        for name in files:
-            path = os.path.join(base, name)
-            out[os.path.relpath(path, root)] = hashlib.sha256(open(path, "rb").read()).hexdigest()
-    return out
 
 
 def test_verified_checkpoints_are_resumed_not_overwritten(stdlib_data, tmp_path):
@@ -29,7 +19,7 @@ def test_verified_checkpoints_are_resumed_not_overwritten(stdlib_data, tmp_path)
     base = [*SMALL_MODEL, "--data-path", stdlib_data, "--eval-interval", "1000", "--eval-iters", "0"]
     run_training(2, [*base, "--train-iters", "20", "--save", str(ckpt), "--save-interval", "5"])
     (ckpt / TRACKER).unlink()
-    before = _digest(ckpt)
+    before = file_digests(ckpt)
     assert sorted(p for p in before if p.endswith("megatron_grpo_manifest.json")) == [
         f"iter_{k:07d}/megatron_grpo_manifest.json" for k in (5, 10, 15, 20)]
 
@@ -46,13 +36,13 @@ def test_verified_checkpoints_are_resumed_not_overwritten(stdlib_data, tmp_path)
                        f"rename and its tracker write leaves this)."], proc.stdout[-3000:]
     assert "starting from scratch" not in proc.stdout and "start_iter=20" in proc.stdout
     assert [r["iteration"] for r in read_metrics(str(metrics))] == [21, 22, 23, 24]
-    after = _digest(ckpt)
+    after = file_digests(ckpt)
     assert {k: v for k, v in after.items() if k in before} == before  # all four untouched
     assert (ckpt / TRACKER).read_text() == "24"
 
     # A fresh run into the same directory would replace iter_0000005 ... iter_0000024: refused at
     # start, before training, naming the directory and the flag; nothing touched.
-    before = _digest(ckpt)
+    before = file_digests(ckpt)
     proc = run_training(2, [*base, "--train-iters", "24", "--save", str(ckpt)], check=False)
     assert proc.returncode != 0
     for rank in (0, 1):
@@ -62,4 +52,4 @@ def test_verified_checkpoints_are_resumed_not_overwritten(stdlib_data, tmp_path)
                 f"checkpoints there: iter_0000005, iter_0000010, iter_0000015, iter_0000020, iter_0000024 "
                 f"(iter_0000024 verified)") in said[0], said[0]
         assert f"resume from them with --load {ckpt}" in said[0] and "--overwrite-checkpoints" in said[0]
-    assert _digest(ckpt) == before
+    assert file_digests(ckpt) == before

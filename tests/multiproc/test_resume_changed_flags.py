@@ -13,14 +13,12 @@ iterations, global batch 8), resumed four ways:
 * --train-iters 6: the checkpoint is past it; refused before loading (before: exit 0, silent).
 """
 
-import hashlib
-import os
 import socket
 from types import SimpleNamespace
 
 import pytest
 
-from harness import SMALL_MODEL, read_metrics, run_training
+from harness import SMALL_MODEL, file_digests, read_metrics, run_training
 
 GBS, WARMUP = 8, 4  # SMALL_MODEL's
 OVERRIDE, USE_CHECKPOINT = "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"
@@ -41,14 +39,6 @@ def _lrs(lr, min_lr, decay_iters, iterations):
     return out
 
 
-def _digest(root):
-    out = {}
-    for base, _, files in os.walk(root):
-        for name in files:
-            path = os.path.join(base, name)
-            out[os.path.relpath(path, root)] = hashlib.sha256(open(path, "rb").read()).hexdigest()
-    return out
-
 
 @pytest.fixture(scope="module")
 def saved(stdlib_data, tmp_path_factory):
@@ -61,7 +51,7 @@ def saved(stdlib_data, tmp_path_factory):
 
 
 def test_changed_schedule_and_adam_flags_are_refused_naming_both_values(saved):
-    before = _digest(saved["ckpt"])
+    before = file_digests(saved["ckpt"])
     metrics = saved["tmp"] / "refused.jsonl"
     proc = run_training(2, [*saved["base"], "--train-iters", "16", "--lr", "6e-3", "--min-lr", "6e-4",
                             "--adam-beta2", "0.99", "--load", saved["ckpt"], "--metrics-file", str(metrics)],
@@ -81,7 +71,7 @@ def test_changed_schedule_and_adam_flags_are_refused_naming_both_values(saved):
                      f"pass {OVERRIDE} to use this run's values from iteration 9 on",
                      f"or {USE_CHECKPOINT} to keep the checkpoint's"):
             assert part in text, text
-    assert _digest(saved["ckpt"]) == before and not metrics.exists()
+    assert file_digests(saved["ckpt"]) == before and not metrics.exists()
 
 
 def test_override_takes_the_new_lr_and_extends_the_decay(saved):
