@@ -19,6 +19,7 @@ SPARSE_TIERS = ("no-stable", "any")
 TIER_POLICIES = ("importance", "random", "inverse")
 IMPORTANCE_SCORES = ("grad-weight", "grad", "fisher")
 INTERNODE_PRESETS = ("none", "source")
+RESIDUAL_DTYPES = ("fp32", "bf16", "int8")
 
 
 class GRPOConfigError(ValueError):
@@ -165,6 +166,22 @@ class GRPOConfig:
     core/dynamic/stable shares 0.15/0.65/0.2, --grpo-core-compressor none, --grpo-stable-compressor
     int4 and the intervals above, overriding those flags. Needs instances > 1."""
 
+    release_grads: bool = True
+    """Gradient memory per tier unit: each unit (DDP bucket) gets storage of its own, allocated
+    when backward writes its first gradient and released once its sync has finished; only this
+    rank's shard stays, until the optimizer step has used it. Frozen stable units hold none.
+    Off: megatron's one gradient buffer for the whole model, resident all the time
+    (docs/offload.md, "Gradient memory")."""
+    grad_units_in_flight: int = 2
+    """With --overlap-grad-reduce: at most this many units' syncs are outstanding during
+    backward; before another starts, the oldest is waited for and its full gradient released.
+    Larger keeps more communication overlapped at the cost of that many units' gradients."""
+    residual_dtype: str = "fp32"
+    """Storage of the error-feedback residuals: fp32, bf16 (half the bytes) or int8 with one
+    fp32 scale per --grpo-compress-chunk elements (a quarter). The residual is kept in this
+    precision between steps; the compressed sync itself is unchanged (docs/offload.md,
+    "Gradient memory")."""
+
     PRESETS = {"source": {"core_share": 0.15, "dynamic_share": 0.65, "stable_share": 0.2,
                           "core_compressor": "none", "core_sync_interval": 100,
                           "compressor": "int4", "dynamic_sync_interval": 50,
@@ -173,6 +190,11 @@ class GRPOConfig:
 
     def apply_preset(self) -> None:
         """Set the fields --grpo-internode-preset names (before validate)."""
+        if isinstance(self.grad_units_in_flight, bool) or not isinstance(self.grad_units_in_flight, int) \
+                or self.grad_units_in_flight < 1:
+            fail("grad_units_in_flight", "an integer >= 1", self.grad_units_in_flight)
+        if self.residual_dtype not in RESIDUAL_DTYPES:
+            fail("residual_dtype", "one of " + ", ".join(RESIDUAL_DTYPES), self.residual_dtype)
         if self.internode_preset not in INTERNODE_PRESETS:
             raise GRPOConfigError(f"--grpo-internode-preset must be one of "
                                   f"{', '.join(INTERNODE_PRESETS)}, got {self.internode_preset!r}")

@@ -135,6 +135,12 @@ class ErrorFeedback:
     def pending(self) -> bool:
         return bool(self._staged)
 
+    def references_grad(self, key: Hashable) -> bool:
+        """Does the staged step of ``key`` still read the bucket's gradient buffer at commit?
+        While it does, the megatron glue keeps that buffer (gradient release waits for the
+        step's end instead of the sync's)."""
+        return isinstance(self._staged.get(key), _Staged)
+
     # ------------------------------------------------------------------ bookkeeping
     def residual(self, key: Hashable) -> Optional[torch.Tensor]:
         """The committed residual of ``key`` (None before its first commit)."""
