@@ -11,6 +11,8 @@ bytes one data-parallel rank sends per step under the ring model of ``comm/wire.
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -69,6 +71,18 @@ class ModelSpec:
     """With full recompute: "uniform" or "block"."""
     recompute_num_layers: Optional[int] = None
     """Layers per recomputed chunk (uniform) or recomputed layers per stage (block)."""
+    global_batch_size: Optional[int] = None
+    """Samples per optimizer step over all data-parallel ranks (--global-batch-size); None: one
+    micro-batch per rank and step (pp of them with pipeline parallelism). More micro-batches
+    than one accumulate gradients: every unit's storage stays full until the last one's sync."""
+    overlap_grad_reduce: bool = True
+    """megatron DDP's --overlap-grad-reduce: units sync during backward (False: after it)."""
+
+    def micro_batches(self, dp: int, pp: int = 1) -> int:
+        """Micro-batches per rank and step."""
+        if self.global_batch_size is None:
+            return pp
+        return self.global_batch_size // (self.micro_batch_size * dp)
 
     @property
     def ffn(self) -> int:
@@ -106,6 +120,10 @@ class ModelSpec:
         if self.heads % self.groups:
             raise ValueError(f"ModelSpec.num_query_groups ({self.num_query_groups}) must divide "
                              f"ModelSpec.heads ({self.heads})")
+        if self.global_batch_size is not None and (
+                not isinstance(self.global_batch_size, int) or self.global_batch_size <= 0):
+            raise ValueError(f"ModelSpec.global_batch_size must be None or a positive integer, "
+                             f"got {self.global_batch_size!r}")
         if self.positions < self.seq_length:
             raise ValueError(f"ModelSpec.max_position ({self.max_position}) must be >= "
                              f"ModelSpec.seq_length ({self.seq_length})")

@@ -59,6 +59,21 @@ def grpo_hooks(cfg):
         state["placement"] = build_placement(cfg.offload, built.optimizer, ctrl,
                                              torch.distributed.get_rank())
 
+    def grad_storages():
+        return [s for s in (c.__dict__.get("grpo_grad_storage") for c in state["built"].ddp_model)
+                if s is not None]
+
+    def after_step(iteration):
+        state["ctrl"].end_step()  # reads a held stable gradient: before the storage goes
+        storages = grad_storages()
+        if storages:
+            # The step has consumed the shards: no gradient memory until the next backward.
+            for opt in grpo_optimizers(state["built"].optimizer):
+                for _, shard in opt._pairs():
+                    shard.grad = None
+            for storage in storages:
+                storage.after_step()
+
     def outer_syncs():
         return [o.outer_sync for o in grpo_optimizers(state["built"].optimizer) if o.outer_sync is not None]
 
@@ -85,6 +100,12 @@ def grpo_hooks(cfg):
             rec["grpo_outer_drift"] = max(drift)
         if state["placement"] is not None:
             rec.update(state["placement"].step_metrics())
+        storages = grad_storages()
+        if storages:
+            # Gradient bytes this rank held at most during the step, and after it (0 expected).
+            rec["grad_bytes_peak"] = float(sum(s.peak for s in storages))
+            rec["grad_bytes_after_step"] = float(sum(s.resident for s in storages))
+            rec["grad_units_full_after_step"] = float(sum(s.metrics()["grad_units_full"] for s in storages))
         return rec
 
     def before_save():
@@ -130,7 +151,7 @@ def grpo_hooks(cfg):
         optimizer_factory=lambda opt_config, chunks: get_grpo_optimizer(opt_config, chunks, cfg.grpo),
         after_build=after_build,
         before_step=before_step,
-        after_step=lambda iteration: state["ctrl"].end_step(),
+        after_step=after_step,
         step_metrics=step_metrics,
         checkpoint_state=checkpoint_state,
         load_state=load_state,

@@ -59,6 +59,7 @@ class _Handles:
 class GRPOBucketGroup(_ParamAndGradBucketGroup):
     grpo = None          # GRPOController, set by install()
     grpo_unit = -1       # index of this group's tier unit
+    grpo_storage = None  # GradStorage of its DDP chunk with --grpo-release-grads (grad_storage.py)
 
     # -- helpers -----------------------------------------------------------------------------
     @property
@@ -149,6 +150,11 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
         if self.is_first_batch and self.grad_reduce_handle is not None:
             return  # megatron's first-batch guard: already dispatched from finish_grad_sync
         assert self.grad_reduce_handle is None, "Should not have multiple communication calls outstanding at once"
+        self._start_tiered(force_all_reduce)
+        self._in_flight(force_all_reduce)
+
+    def _start_tiered(self, force_all_reduce: bool) -> None:
+        ctrl = self.grpo
         unit = self.grpo_unit
         tier = ctrl.tiers[unit]
         with self._side_stream():
@@ -280,6 +286,8 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
         if self.grpo is None:
             return super().finish_grad_sync(force_all_reduce)
         self.param_gather_dispatched = False
+        if self.__dict__.pop("_grpo_completed", False):
+            return  # finished in backward to bound the units in flight (_in_flight)
         if not self.grpo.unit_active(self.grpo_unit) and self.grad_reduce_handle is None:
             # A frozen stable unit computed no gradient, so megatron never marked it ready.
             if self.grpo.config.stable_mode == "frozen":
@@ -287,8 +295,51 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
         if not self.ddp_config.overlap_grad_reduce or self.is_first_batch:
             if self.grad_reduce_handle is None:
                 self.start_grad_sync(force_all_reduce)
+        self._complete()
+
+    # -- extends _ParamAndGradBucketGroup.reset (zero_grad_buffer) ----------------------------------
+    def reset(self):
+        self.__dict__.pop("_grpo_completed", None)  # a step that ended by an exception
+        super().reset()
+
+    # -- gradient release (megatron/grad_storage.py) -------------------------------------------------
+    def _in_flight(self, force_all_reduce: bool) -> None:
+        """With overlap, at most ``grad_units_in_flight`` syncs stay outstanding in backward: the
+        oldest is finished (waited for) and its full gradient released before this one goes on."""
+        storage = self.grpo_storage
+        if storage is None:
+            return
+        self.__dict__["_grpo_keep_full"] = bool(force_all_reduce)  # an all-reduce needs it all
+        if not self.ddp_config.overlap_grad_reduce:
+            return  # synchronous: finish_grad_sync releases right after
+        storage.outstanding.append(self)
+        while len(storage.outstanding) > storage.window:
+            oldest = storage.outstanding.pop(0)
+            oldest._complete()
+            oldest.__dict__["_grpo_completed"] = True
+
+    def _release_grads(self) -> None:
+        """The sync has finished: each bucket keeps this rank's shard only. Not for a unit
+        between stable updates (a delayed one's full gradient is added to its accumulator when
+        the step ends; a frozen one has none), nor while error feedback still reads the
+        gradient at commit (``ErrorFeedback.references_grad``)."""
+        storage = self.grpo_storage
+        if storage is None:
+            return
+        if self in storage.outstanding:
+            storage.outstanding.remove(self)
+        if self.__dict__.get("_grpo_keep_full") or not self.grpo.unit_active(self.grpo_unit):
+            return
+        for i, b in enumerate(self.buckets):
+            if not self.grpo.ef.references_grad((self.grpo_unit, i)):
+                b.grpo_grads.release()
+        storage.released()
+
+    def _complete(self) -> None:
+        """Wait for this group's sync (whichever handle its tier produced), then release."""
         if self.grad_reduce_handle is None:
             if not self.ddp_config.overlap_grad_reduce:
+                self._release_grads()  # megatron's synchronous collective has returned
                 return
             raise AssertionError(
                 f"Communication call has not been issued for this bucket "
@@ -302,6 +353,7 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
                 torch.cuda.default_stream().wait_stream(self.communication_stream)
         self.grpo.join_side_stream()
         self.grad_reduce_handle = None
+        self._release_grads()
 
     # -- replaces _ParamAndGradBucketGroup.start_param_sync ------------------------------------
     def start_param_sync(self, force_sync: bool = False):
@@ -370,8 +422,11 @@ def install(ddp_chunks: list, controller) -> None:
             if controller.powersgd is not None:
                 raise ValueError(f"rank {rank}: --grpo-compressor powersgd does not support "
                                  f"--num-distributed-optimizer-instances {instances}: use int4 or int8")
+    storage_of = {id(g): chunk.__dict__.get("grpo_grad_storage")
+                  for chunk in ddp_chunks for g in chunk.bucket_groups}
     for unit in controller.units:
         group = unit.group
         group.__class__ = GRPOBucketGroup
         group.grpo = controller
         group.grpo_unit = unit.index
+        group.grpo_storage = storage_of.get(id(group))

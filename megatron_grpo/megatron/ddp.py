@@ -11,12 +11,22 @@ Without overlap, megatron still issues every bucket's sync from ``finish_grad_sy
 (synchronously, after backward), so GRPO's per-bucket paths apply there too; importance is then
 measured after backward rather than during it.
 
+With ``release_grads`` (the default) and the distributed optimizer it also cuts the gradient
+buffer into storage per bucket that comes and goes within a step (megatron/grad_storage.py):
+DDP's gradient-accumulation hook first makes its bucket's storage resident
+(``_make_backward_post_hook``), and with ``gradient_accumulation_fusion`` a hook on each
+module's output gradient does so before the module's wgrad GEMM writes ``main_grad``.
+
 Without ``grpo_config``, or with GRPO disabled, it is megatron's class in every configuration
 (bucket layout, later stages, ``disable_bucketing``): code that swaps it in for megatron's, such
 as megatron-core's own unit tests, sees megatron's behaviour.
 """
 
+import torch
+
 from megatron.core.distributed import DistributedDataParallel
+
+from megatron_grpo.megatron.grad_storage import GradStorage, cut_buffer
 
 
 def default_bucket_size(dp: int) -> int:
@@ -41,7 +51,51 @@ class GRPODistributedDataParallel(DistributedDataParallel):
 
                 requested = default_bucket_size(ps.get_data_parallel_world_size())
         self.__dict__["_grpo_requested_bucket_size"] = requested
+        self.__dict__["grpo_grad_storage"] = None
         super().__init__(config, ddp_config, module, *args, **kwargs)
+        if requested is not None and grpo_config.release_grads and ddp_config.use_distributed_optimizer:
+            storage = GradStorage(grpo_config.grad_units_in_flight)
+            cut_buffer(self, storage)
+            self.__dict__["grpo_grad_storage"] = storage
+            if getattr(config, "gradient_accumulation_fusion", False):
+                self._grpo_pre_backward_hooks(storage)
+
+    # -- extends DistributedDataParallel._make_backward_post_hook ------------------------------------
+    def _make_backward_post_hook(self, param: torch.nn.Parameter):
+        hook = super()._make_backward_post_hook(param)
+
+        def allocate_then_hook(*args):
+            storage = self.__dict__.get("grpo_grad_storage")
+            if storage is not None and param.requires_grad:
+                storage.ensure_param(param)  # before megatron adds param.grad into main_grad
+            return hook(*args)
+
+        return allocate_then_hook
+
+    def _grpo_pre_backward_hooks(self, storage: GradStorage) -> None:
+        """The fused wgrad GEMM accumulates into ``main_grad`` inside the module's backward,
+        before the gradient-accumulation hook runs: allocate when the gradient of the module's
+        output arrives, which is before that backward starts."""
+        def on_output_grad(params):
+            def hook(grad):
+                for p in params:
+                    if p.requires_grad:
+                        storage.ensure_param(p)
+                return grad
+            return hook
+
+        def forward_hook(module, inputs, output):
+            params = module.__dict__.get("_grpo_direct_params")
+            outputs = output if isinstance(output, (tuple, list)) else (output,)
+            for t in outputs:
+                if torch.is_tensor(t) and t.requires_grad:
+                    t.register_hook(on_output_grad(params))
+
+        for m in self.module.modules():
+            direct = [p for p in m.parameters(recurse=False) if p in storage.of_param]
+            if direct:
+                m.__dict__["_grpo_direct_params"] = direct
+                m.register_forward_hook(forward_hook)
 
     @property
     def bucket_size(self):

@@ -5,7 +5,9 @@ thin overrides:
 
 * ``_copy_model_grads_to_main_grads``: ranges of stable units between their updates get
   ``grad = None``, so torch Adam skips them (no moment drift, no weight decay) and the global
-  gradient norm (hence clipping) is taken over the gradients actually applied.
+  gradient norm (hence clipping) is taken over the gradients actually applied; with gradient
+  release the others read the shard each bucket kept after its sync (megatron/grad_storage.py),
+  megatron's whole-model buffer being gone.
 * ``_copy_main_params_to_model_params``: a compressed unit's (dynamic, or core with
   --grpo-core-compressor) updated master shard goes to a staging
   buffer instead of the parameter buffer; the bucket group then sends the quantised difference
@@ -62,16 +64,23 @@ class GRPODistributedOptimizer(DistributedOptimizer):
 
     # -- replaces DistributedOptimizer._copy_model_grads_to_main_grads ------------------------------
     def _copy_model_grads_to_main_grads(self):
-        super()._copy_model_grads_to_main_grads()
         ctrl = self.grpo
         if ctrl is None:
-            return
+            return super()._copy_model_grads_to_main_grads()
         if self.outer_sync is not None:
             self.outer_sync.capture()  # before the inner step: anchors of newly periodic units
         for model_param, shard in self._pairs():
-            unit = ctrl.unit_of_bucket[id(self._bucket_of(model_param))]
-            if not ctrl.unit_active(unit):
+            bucket = self._bucket_of(model_param)
+            if not ctrl.unit_active(ctrl.unit_of_bucket[id(bucket)]):
                 shard.grad = None
+                continue
+            ranges = self._get_model_param_range_map(model_param)
+            grads = getattr(bucket, "grpo_grads", None)
+            if grads is None:  # megatron's own: a view of the whole-model gradient buffer
+                grad = model_param.main_grad.view(-1)[ranges["param"].start:ranges["param"].end]
+            else:  # --grpo-release-grads: the shard kept after the sync (grad_storage.py)
+                grad = grads.param_grad(model_param, ranges["param"], ranges["gbuf_world_in_bucket"])
+            shard.grad = grad.float()
 
     # -- extends DistributedOptimizer.prepare_grads (megatron's found-inf path) --------------------
     @torch.no_grad()

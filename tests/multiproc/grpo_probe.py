@@ -201,7 +201,11 @@ def main():
         # Read before end_step (it may re-plan tiers after a GVR check).
         frozen_checks = {}
         for i in probe["frozen"]:
-            grads_zero = all(bool((p.main_grad == 0).all()) for p in ctrl.units[i].params)
+            managed = [b.grpo_grads for b in ctrl.units[i].group.buckets if hasattr(b, "grpo_grads")]
+            if managed:  # --grpo-release-grads: no storage at all (reading it would be invalid)
+                grads_zero = all(g.resident_bytes() == 0 for g in managed)
+            else:
+                grads_zero = all(bool((p.main_grad == 0).all()) for p in ctrl.units[i].params)
             frozen_checks[i] = dict(
                 params_same=digest(ctrl.units[i].params) == probe["before"][i][0],
                 moments_same=digest(optimizer_moments(ctrl, i)) == probe["before"][i][1],

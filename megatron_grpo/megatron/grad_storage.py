@@ -1,0 +1,252 @@
+"""Gradient memory per tier unit (--grpo-release-grads): megatron's gradient buffer cut into
+storage of its own per bucket, allocated when backward reaches the bucket and released once its
+sync has finished.
+
+megatron-core (0.16.1) allocates one gradient buffer (``_ParamAndGradBuffer.grad_data``) for all
+parameters of a dtype and keeps it for the whole run; every bucket's ``grad_data`` and every
+parameter's ``main_grad`` are views into it. Here each bucket gets its own tensor, and the
+views are re-pointed into it, so a bucket's memory can come and go on its own:
+
+* **empty** (after ``zero_grad_buffer``): the storage has zero bytes. The tensor objects stay
+  (megatron, its hooks and GRPO hold the same ``grad_data`` and ``main_grad``), as in megatron's
+  own ``offload_grad_buffers``: ``untyped_storage().resize_``.
+* **full**: allocated (and zeroed) just before the first gradient of the step is written into
+  it: by DDP's gradient-accumulation hook, or, with ``gradient_accumulation_fusion`` (the wgrad
+  GEMM writes ``main_grad`` itself), by a hook on the owning module's output gradient, which
+  runs before that module's backward. Gradient accumulation over micro-batches keeps it full
+  until the last micro-batch's sync.
+* **shard**: once the bucket's sync has finished, this rank's shard (the part its distributed
+  optimizer owns) is copied out and the full storage freed. The optimizer reads the shard
+  (``param_grad``); after the step it is dropped too.
+
+Parameters megatron reads *after* the data-parallel sync (``finalize_model_grads``: layernorm
+grads all-reduced over tensor-parallel ranks with sequence parallelism, the word embedding
+shared between the first and last pipeline stage, position or conditional embedders) keep a
+full copy of their own gradient, ``main_grad`` pointing at it, until the step ends.
+
+On CUDA a storage is freed only after the stream that freed it has waited for the collective
+(the handle's ``wait``), and buffers used on GRPO's side stream are recorded on the current
+stream first (``comm.streams``), so the caching allocator never hands out memory a kernel
+still reads.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+
+from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
+
+from megatron_grpo.comm import streams
+
+EMPTY, FULL, SHARD = "empty", "full", "shard"
+
+
+def reads_after_sync(param, config, tp_size: int, pp_size: int, name: str = "") -> bool:
+    """Does megatron's ``finalize_model_grads`` (0.16.1) read ``param.main_grad`` after the
+    data-parallel sync? Erring towards yes only costs the parameter's own gradient bytes."""
+    if tp_size > 1:
+        if getattr(param, "average_gradients_across_tp_domain", False):
+            return True
+        if getattr(config, "sequence_parallel", False) and getattr(param, "sequence_parallel", False):
+            return True
+        if getattr(config, "qk_layernorm", False) and ("q_layernorm" in name or "k_layernorm" in name):
+            return True
+    if pp_size > 1:
+        if getattr(param, "shared_embedding", False) or getattr(param, "shared", False):
+            return True
+        if getattr(param, "pipeline_parallel", False) or name.endswith("position_embeddings.weight"):
+            return True
+    return False
+
+
+class BucketGrads:
+    """One megatron bucket's gradient storage: state, shard, late copies, bytes."""
+
+    def __init__(self, bucket, rank: int, size: int, late: List) -> None:
+        self.bucket = bucket
+        self.grad = bucket.grad_data
+        self.numel = self.grad.numel()
+        self.nbytes = self.numel * self.grad.element_size()
+        self.rank, self.size = rank, size
+        self.shard_len = self.numel // size
+        self.shard: Optional[torch.Tensor] = None
+        self.late = late                      # params with a copy of their own after the sync
+        self.views = {p: p.main_grad for p in late}
+        self.copies: Dict[torch.nn.Parameter, torch.Tensor] = {}
+        self.state = FULL                     # zeros, as megatron built it
+        self.peak_bytes = self.resident_bytes()
+
+    # -- states ----------------------------------------------------------------------------------
+    def ensure(self) -> None:
+        """Full storage before a gradient is written (no-op once full)."""
+        if self.state == FULL:
+            return
+        if self.state == SHARD:
+            raise RuntimeError(
+                f"GRPO gradient release: a gradient arrived for a bucket of {self.numel} elements "
+                f"after its sync had finished (rank {self.rank} of its group); run with "
+                f"--no-grpo-release-grads and report the model layout")
+        self.grad.untyped_storage().resize_(self.nbytes)
+        self.grad.zero_()
+        self.state = FULL
+
+    def release(self) -> None:
+        """After the sync: keep this rank's shard (and the late params' copies), free the rest."""
+        if self.state != FULL:
+            return
+        own = self.grad[self.rank * self.shard_len:(self.rank + 1) * self.shard_len]
+        self.shard = own.clone()
+        for p in self.late:
+            copy = p.main_grad.clone()
+            self.copies[p] = copy
+            p.main_grad = copy
+        self._free()
+        self.state = SHARD
+
+    def drop(self) -> None:
+        """The step is over (or a new one starts): nothing stays; main_grad views restored."""
+        if self.state == FULL:
+            self._free()
+        self.shard = None
+        for p, view in self.views.items():
+            p.main_grad = view
+        self.copies.clear()
+        self.state = EMPTY
+
+    def _free(self) -> None:
+        # Work queued on GRPO's side stream may still read it (CUDA): the caching allocator
+        # must not reuse the block before the current stream has passed that point.
+        streams.used_on_current_stream(self.grad)
+        self.grad.untyped_storage().resize_(0)
+
+    # -- reads -----------------------------------------------------------------------------------
+    def param_grad(self, param, param_range, world_range) -> torch.Tensor:
+        """The gradient of the part of ``param`` this rank owns: ``param_range`` in the
+        parameter, ``world_range`` in the bucket (megatron's range map)."""
+        copy = self.copies.get(param)
+        if copy is not None:
+            return copy.view(-1)[param_range.start:param_range.end]
+        if self.state == FULL:
+            return self.grad[world_range.start:world_range.end]
+        if self.state == SHARD:
+            start = world_range.start - self.rank * self.shard_len
+            return self.shard[start:start + world_range.size]
+        raise RuntimeError(f"GRPO gradient release: the optimizer asked for a gradient of a bucket "
+                           f"that had none this step (rank {self.rank} of its group)")
+
+    def scale(self, factor: float) -> None:
+        if self.state == FULL:
+            self.grad.mul_(factor)
+        elif self.state == SHARD:
+            self.shard.mul_(factor)
+            for copy in self.copies.values():
+                copy.mul_(factor)
+
+    def resident_bytes(self) -> int:
+        out = self.nbytes if self.state == FULL else 0
+        if self.shard is not None:
+            out += self.shard.numel() * self.shard.element_size()
+        out += sum(c.numel() * c.element_size() for c in self.copies.values())
+        return out
+
+
+class GradStorage:
+    """Every managed bucket of one rank (all DDP chunks), the in-flight window, and metrics."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.buckets: List[BucketGrads] = []
+        self.of_param: Dict[torch.nn.Parameter, BucketGrads] = {}
+        self.outstanding: List = []           # bucket groups with a sync in flight, oldest first
+        self.peak = 0
+        self.resident = 0
+
+    def add(self, grads: BucketGrads) -> None:
+        self.buckets.append(grads)
+        for p in grads.bucket.params_list:
+            self.of_param[p] = grads
+        self._account()
+
+    def ensure_param(self, param) -> None:
+        grads = self.of_param.get(param)
+        if grads is not None and grads.state != FULL:
+            grads.ensure()
+            self._account()
+
+    def reset(self, buckets) -> None:
+        """zero_grad_buffer (per megatron buffer): these buckets empty, the step's peak restarts."""
+        self.outstanding.clear()
+        for b in buckets:
+            b.grpo_grads.drop()
+        self.peak = 0
+        self._account()
+
+    def released(self) -> None:
+        self._account()
+
+    def after_step(self) -> None:
+        """The optimizer step has consumed the shards: free everything."""
+        self.outstanding.clear()
+        for g in self.buckets:
+            g.drop()
+        self._account()
+
+    def _account(self) -> None:
+        self.resident = sum(g.resident_bytes() for g in self.buckets)
+        self.peak = max(self.peak, self.resident)
+
+    def metrics(self) -> Dict[str, float]:
+        full = sum(1 for g in self.buckets if g.state == FULL)
+        return {"grad_bytes_peak": float(self.peak), "grad_bytes_resident": float(self.resident),
+                "grad_units_full": float(full)}
+
+
+def cut_buffer(ddp, storage: GradStorage) -> None:
+    """Give every bucket of ``ddp`` (megatron DDP, distributed optimizer) storage of its own
+    and free megatron's whole-buffer gradient tensor. Call right after DDP is built, before the
+    optimizer (which keeps no gradient views of its own) and before any backward."""
+    from megatron.core import parallel_state as ps
+
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    names = {p: n for n, p in ddp.module.named_parameters()}
+    group_of = {}
+    for group in ddp.bucket_groups + ddp.expert_parallel_bucket_groups:
+        for b in group.buckets:
+            group_of[id(b)] = group
+    for buffer in ddp.buffers + ddp.expert_parallel_buffers:
+        for bucket in buffer.buckets:
+            old = bucket.grad_data
+            own = torch.zeros(old.numel(), dtype=old.dtype, device=old.device)
+            base, size = old.data_ptr(), old.element_size()
+            for p in bucket.params_list:
+                start = (p.main_grad.data_ptr() - base) // size
+                p.main_grad = own[start:start + p.numel()].view(p.shape)
+            bucket.grad_data = own
+            group = group_of[id(bucket)].intra_distributed_optimizer_instance_group
+            late = [p for p in bucket.params_list
+                    if reads_after_sync(p, ddp.config, tp, pp, names.get(p, ""))]
+            grads = BucketGrads(bucket, group.rank(), group.size(), late)
+            bucket.grpo_grads = grads
+            storage.add(grads)
+        buffer.grad_data = None  # megatron's whole-model tensor: its last reference
+        buffer.__class__ = GRPOGradBuffer
+        buffer.grpo_storage = storage
+
+
+class GRPOGradBuffer(_ParamAndGradBuffer):
+    """megatron's ``_ParamAndGradBuffer`` (0.16.1) whose gradients live per bucket
+    (``cut_buffer`` swaps ``__class__``): its two methods that touch the whole-model gradient
+    tensor act on the buckets instead."""
+
+    grpo_storage: GradStorage = None
+
+    # -- replaces _ParamAndGradBuffer.reset (zero_grad_buffer at the start of an iteration) -------
+    def reset(self):
+        self.grpo_storage.reset(self.buckets)
+
+    # -- replaces _ParamAndGradBuffer.scale_gradients (per-token loss scaling, after the sync) ------
+    def scale_gradients(self, scaling_factor: float) -> None:
+        for b in self.buckets:
+            b.grpo_grads.scale(scaling_factor)
