@@ -103,9 +103,12 @@ def grpo_hooks(cfg):
         storages = grad_storages()
         if storages:
             # Gradient bytes this rank held at most during the step, and after it (0 expected).
-            rec["grad_bytes_peak"] = float(sum(s.peak for s in storages))
-            rec["grad_bytes_after_step"] = float(sum(s.resident for s in storages))
-            rec["grad_units_full_after_step"] = float(sum(s.metrics()["grad_units_full"] for s in storages))
+            each = [s.metrics() for s in storages]
+            rec["grad_bytes_peak"] = sum(m["grad_bytes_peak"] for m in each)
+            rec["grad_bytes_after_step"] = sum(m["grad_bytes_resident"] for m in each)
+            rec["grad_units_full_after_step"] = sum(m["grad_units_full"] for m in each)
+            rec["grad_bytes_whole_buffer"] = sum(m["grad_bytes_whole_buffer"] for m in each)
+            rec["grad_bytes_largest_bucket"] = max(m["grad_bytes_largest_bucket"] for m in each)
         return rec
 
     def before_save():

@@ -200,7 +200,10 @@ class GradStorage:
     def metrics(self) -> Dict[str, float]:
         full = sum(1 for g in self.buckets if g.state == FULL)
         return {"grad_bytes_peak": float(self.peak), "grad_bytes_resident": float(self.resident),
-                "grad_units_full": float(full)}
+                "grad_units_full": float(full),
+                # For comparison: megatron's one buffer, and the largest single bucket.
+                "grad_bytes_whole_buffer": float(sum(g.nbytes for g in self.buckets)),
+                "grad_bytes_largest_bucket": float(max((g.nbytes for g in self.buckets), default=0))}
 
 
 def cut_buffer(ddp, storage: GradStorage) -> None:

@@ -1,0 +1,71 @@
+"""Gradient release (--grpo-release-grads, megatron/grad_storage.py) in real gloo runs: the same
+bits as megatron's one gradient buffer in every tier mode, nothing full left after a step, and
+the step's gradient peak bounded by the units in flight plus the owned shards."""
+
+import pytest
+
+from harness import GRPO_SMALL, SMALL_MODEL, train_and_read
+
+ONE_MICROBATCH = ["--global-batch-size", "4"]  # micro 2 x dp 2: the in-flight bound applies
+
+
+def _pair(tmp_path, name, nproc, args, iters=14):
+    base = [*SMALL_MODEL, *GRPO_SMALL, "--data-path", args[0], "--train-iters", str(iters),
+            "--eval-interval", "1000", *args[1:]]
+    on = train_and_read(tmp_path, f"{name}_on", nproc, base, timeout=600)
+    off = train_and_read(tmp_path, f"{name}_off", nproc, [*base, "--no-grpo-release-grads"], timeout=600)
+    return on, off
+
+
+def _check_released(on, off):
+    assert [r["loss"] for r in on] == [r["loss"] for r in off]
+    assert all("grad_bytes_peak" not in r for r in off)          # off: megatron's own buffer
+    for r in on:
+        # After every step no unit holds full (or any) gradient storage.
+        assert r["grad_bytes_after_step"] == 0 and r["grad_units_full_after_step"] == 0, r["iteration"]
+        assert 0 < r["grad_bytes_peak"] <= r["grad_bytes_whole_buffer"]
+
+
+@pytest.mark.parametrize("mode", [
+    ["--grpo-stable-mode", "frozen"],
+    ["--grpo-stable-mode", "delayed", "--grpo-core-compressor", "int8"],
+    ["--grpo-stable-mode", "compressed", *ONE_MICROBATCH],
+    ["--no-overlap-grad-reduce", "--grpo-stable-mode", "delayed"],
+], ids=["frozen", "delayed-int8core", "compressed-1mb", "no-overlap"])
+def test_release_is_bit_identical_and_leaves_nothing(stdlib_data, tmp_path, mode):
+    on, off = _pair(tmp_path, "m", 2, [stdlib_data, *mode])
+    _check_released(on, off)
+
+
+def test_warmup_peak_is_units_in_flight_plus_shards(stdlib_data, tmp_path):
+    """During the exact warm-up (every unit synced by megatron's reduce-scatter) with one
+    micro-batch, at most window + 1 units are full at once on top of this rank's shards (half
+    of the buffer at dp 2); megatron's buffer is the whole model. Iteration 1 is megatron's
+    first batch (syncs after backward): full."""
+    window = 1
+    on, _ = _pair(tmp_path, "w", 2, [stdlib_data, *ONE_MICROBATCH, "--grpo-grad-units-in-flight",
+                                     str(window), "--grpo-warmup-iters", "8"], iters=8)
+    whole, largest = on[0]["grad_bytes_whole_buffer"], on[0]["grad_bytes_largest_bucket"]
+    assert on[0]["grad_bytes_peak"] == whole
+    for r in on[1:]:
+        assert r["grad_bytes_peak"] <= whole / 2 + (window + 1) * largest, r
+        assert r["grad_bytes_peak"] < 0.75 * whole, r
+
+
+def test_pipeline_stages_release_bit_identically(stdlib_data, tmp_path):
+    """PP 2 x DP 2: the position embedding is read by megatron after the sync (kept as a copy)."""
+    on, off = _pair(tmp_path, "pp", 4, [stdlib_data, "--pipeline-model-parallel-size", "2",
+                                        "--grpo-stable-mode", "delayed"], iters=12)
+    _check_released(on, off)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [
+    ["--tensor-model-parallel-size", "2", "--grpo-stable-mode", "delayed"],
+    ["--num-distributed-optimizer-instances", "2", "--grpo-stable-mode", "delayed"],
+    ["--num-distributed-optimizer-instances", "2", "--grpo-dynamic-sync-interval", "4",
+     "--grpo-stable-mode", "local"],
+], ids=["tp2", "hierarchy", "periodic"])
+def test_other_layouts_release_bit_identically(stdlib_data, tmp_path, layout):
+    on, off = _pair(tmp_path, "l", 4, [stdlib_data, *layout], iters=12)
+    _check_released(on, off)
