@@ -190,7 +190,7 @@ class GRPOController(ControllerState, ControllerReport):
                                                  config.topk_ratio))
         self.stable_compressor = (build_compressor(config.stable_compressor, config.compress_chunk)
                                   if config.stable_mode in ("compressed", "local") else None)
-        self.ef = ErrorFeedback()
+        self.ef = ErrorFeedback(config.residual_dtype, config.compress_chunk)
         # Keyed by (unit, bucket index in its group), like the error-feedback residuals.
         self.carry: Dict[tuple, torch.Tensor] = {}
         self.accum: Dict[tuple, List] = {}

@@ -39,23 +39,10 @@ def _used_on_current_stream(*tensors) -> None:
 
 
 STATS_BLOCK_ELEMENTS = 1 << 22
-"""Most elements of D(q) decoded at once for the health sums of a monitoring step (16 MiB of
-fp32); a block holds whole shards, at least one."""
-
-
-def _report_delivered(stats: Callable[[torch.Tensor, torch.Tensor], None], compressor: Compressor,
-                      send: torch.Tensor, owed: torch.Tensor) -> None:
-    """Give ``stats`` what this rank delivers, D(q), beside what it owed, a block of shards at a
-    time. The health sums are additive, so blocks give the same figures as the whole bucket,
-    and a monitoring step never holds a bucket-sized decoded copy (128 MB of fp32 per 128 MB
-    bucket, cached in the side stream's pool on GPU): one block buffer, reused."""
-    dp, shard_len = owed.shape
-    rows = max(1, min(dp, STATS_BLOCK_ELEMENTS // max(shard_len, 1)))
-    block = torch.empty((rows, shard_len), dtype=torch.float32, device=owed.device)
-    for first in range(0, dp, rows):
-        n = min(rows, dp - first)
-        decoded = compressor.decompress_rows(send[first:first + n], shard_len, out=block[:n])
-        stats(decoded.view(-1), owed[first:first + n].reshape(-1))
+"""Most elements of D(q) decoded at once when the new error-feedback residual is staged (and,
+on a monitoring step, handed to the health sums from the same decode): 16 MiB of fp32; a block
+holds whole shards, at least one. So neither ever holds a bucket-sized decoded copy (128 MB of
+fp32 per 128 MB bucket, cached in the side stream's pool on GPU)."""
 
 
 class InFlightReduceScatter:
@@ -91,7 +78,8 @@ class CompressedReduceScatter(InFlightReduceScatter):
     """One in-flight compressed reduce-scatter of one bucket; ``wait()`` finishes it.
 
     ``stats(applied, owed)``, when given, receives this rank's delivered values D(q) and what it
-    owed (c = g + r), both flat over the bucket, before anything is sent (monitoring steps only).
+    owed (c = g + r), a block of shards at a time, before anything is sent (monitoring steps
+    only).
     """
 
     def __init__(self, key, grad: torch.Tensor, shard_out: torch.Tensor, ef: ErrorFeedback,
@@ -108,10 +96,11 @@ class CompressedReduceScatter(InFlightReduceScatter):
         exact = replicated.take(grad) if replicated is not None else None
         owed = ef.owed(key, grad).view(self.dp, self.shard_len)
         self.send = compressor.compress_rows(owed)
-        if stats is not None:
-            _report_delivered(stats, compressor, self.send, owed)
+        # The new residual is computed now, while grad still holds every shard's c: after the
+        # exchange the megatron glue may free the bucket's gradient (issue 28).
         ef.stage(key, grad, self.send, rank, compressor,
-                 replicated.index if replicated is not None else None)
+                 replicated.index if replicated is not None else None,
+                 stats=stats, block_elements=STATS_BLOCK_ELEMENTS)
         self.recv = torch.empty_like(self.send)
         self.work = dist.all_to_all_single(self.recv.view(-1), self.send.view(-1), group=group,
                                            async_op=async_op)

@@ -32,12 +32,14 @@ from megatron_grpo.comm.hierarchical import InterInstanceAllReduce
 
 
 class OuterOptimizer:
-    def __init__(self, lr: float, momentum: float, group) -> None:
+    def __init__(self, lr: float, momentum: float, group, residual_dtype: str = "fp32",
+                 chunk: int = 256) -> None:
         self.lr, self.mu, self.group = lr, momentum, group
         self.instances = dist.get_world_size(group)
         self.anchor: Dict[Hashable, torch.Tensor] = {}
         self.momentum: Dict[Hashable, torch.Tensor] = {}
-        self.ef = ErrorFeedback()
+        # The compressed delta syncs' residuals (--grpo-residual-dtype, --grpo-compress-chunk).
+        self.ef = ErrorFeedback(residual_dtype, chunk)
 
     def has_anchor(self, key: Hashable) -> bool:
         return key in self.anchor

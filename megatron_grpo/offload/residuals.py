@@ -17,6 +17,13 @@ it lives in the chunk store's file and only a few are resident at a time:
 
 It is a mapping for ``ErrorFeedback`` (get / [] / pop / keys / items / clear, plus release,
 buffer and nbytes): the comm layer does not know where residuals live.
+
+Residuals of every storage dtype (``--grpo-residual-dtype``) go through it as their raw bytes:
+fp32 and bf16 tensors as they are, an int8 ``QuantisedResidual`` as its one payload tensor (per
+chunk its fp32 scale and its codes), so the file holds 4, 2 or about 1 byte per element. A
+staged residual (``ErrorFeedback.stage``) stays resident until ``commit`` copies it into the
+key's registered storage here; the committed one it replaces stays in the file meanwhile, so a
+skipped step loses nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ import time
 from typing import Dict, Hashable, Iterator, List, Optional, Tuple
 
 import torch
+
+from megatron_grpo.comm.error_feedback import QuantisedResidual, Residual, backing_tensor
 
 from .store import ChunkStore
 
@@ -38,7 +47,7 @@ class OffloadedResiduals:
         if target not in ("cpu", "ssd"):
             raise ValueError(f"offload: OffloadedResiduals target must be cpu or ssd, got {target!r}")
         self.store, self.target, self.lookahead = store, target, lookahead
-        self._tensors: Dict[Hashable, torch.Tensor] = {}
+        self._tensors: Dict[Hashable, Residual] = {}  # fp32/bf16 tensors or QuantisedResidual
         self._ids: Dict[Hashable, List[int]] = {}
         self._state: Dict[Hashable, str] = {}
         self._futures: Dict[Hashable, list] = {}
@@ -58,7 +67,7 @@ class OffloadedResiduals:
         for key in self._order[:self.lookahead]:
             self._fetch(key)
 
-    def get(self, key: Hashable, default=None) -> Optional[torch.Tensor]:
+    def get(self, key: Hashable, default=None) -> Optional[Residual]:
         tensor = self._tensors.get(key)
         if tensor is None:
             return default
@@ -71,7 +80,7 @@ class OffloadedResiduals:
                 self._fetch(nxt)
         return tensor
 
-    def __getitem__(self, key: Hashable) -> torch.Tensor:
+    def __getitem__(self, key: Hashable) -> Residual:
         if key not in self._tensors:
             raise KeyError(key)
         return self.get(key)
@@ -85,34 +94,39 @@ class OffloadedResiduals:
             return
         ids = self._ids[key]
         if all(self.store.drop_device(i) for i in ids):
-            self._tensors[key].untyped_storage().resize_(0)
+            backing_tensor(self._tensors[key]).untyped_storage().resize_(0)
             self._state[key] = AWAY
         # else: some chunk had no file copy (a residual set but never read back); it stays
         # resident and is sent out with the next write.
 
-    def buffer(self, key: Hashable, like: torch.Tensor) -> torch.Tensor:
-        """A tensor for the new residual of ``key`` (``commit`` writes all of it)."""
-        tensor = self._tensors.get(key)
-        if tensor is None or tensor.numel() != like.numel() or tensor.dtype != like.dtype \
-                or tensor.device != like.device:
-            return torch.empty_like(like)
+    def buffer(self, key: Hashable, like: Residual) -> Residual:
+        """Where the new residual ``like`` of ``key`` goes (``commit`` copies all of it there):
+        the key's registered residual when it has the same layout, else a new one allocated
+        here, on the caller's stream (``like`` was made on GRPO's side stream on GPU; the store
+        frees what it registers from the main stream, comm/streams.py)."""
+        value = self._tensors.get(key)
+        if value is None or not _same_layout(value, like):
+            return like.empty_like() if isinstance(like, QuantisedResidual) else torch.empty_like(like)
         for i in self._ids[key]:
             self.store.overwrite(i)  # waits for its pending move; drops the old copies
+        tensor = backing_tensor(value)
         storage = tensor.untyped_storage()
         nbytes = tensor.numel() * tensor.element_size()
         if storage.nbytes() != nbytes:
             storage.resize_(nbytes)
         self._state[key], self._futures[key] = RESIDENT, []
-        return tensor
+        return value
 
-    def __setitem__(self, key: Hashable, tensor: torch.Tensor) -> None:
+    def __setitem__(self, key: Hashable, value: Residual) -> None:
         """The committed residual of ``key``: sent out now (in the background)."""
-        if self._tensors.get(key) is not tensor:
-            self.pop(key, None)
-            tensor = tensor.contiguous()
+        if self._tensors.get(key) is not value:
+            if key in self._tensors:  # replaced by another layout: the old one is not read back
+                del self[key]
+            if not isinstance(value, QuantisedResidual):
+                value = value.contiguous()
             self._names += 1
-            self._ids[key] = self.store.register(f"ef{self._names}/{key}", tensor)
-            self._tensors[key] = tensor
+            self._ids[key] = self.store.register(f"ef{self._names}/{key}", backing_tensor(value))
+            self._tensors[key] = value
         self._state[key] = RESIDENT
         self._evict(key)
         self._writes.append(key)
@@ -139,7 +153,7 @@ class OffloadedResiduals:
         self._futures.pop(key, None)
         if key in self._writes:
             self._writes.remove(key)
-        value.untyped_storage().resize_(0)  # the store keeps only a zero-byte registration
+        backing_tensor(value).untyped_storage().resize_(0)  # the store keeps a zero-byte registration
 
     def keys(self) -> List[Hashable]:
         return list(self._tensors)
@@ -153,11 +167,11 @@ class OffloadedResiduals:
     def __len__(self) -> int:
         return len(self._tensors)
 
-    def items(self) -> Iterator[Tuple[Hashable, torch.Tensor]]:
+    def items(self) -> Iterator[Tuple[Hashable, Residual]]:
         for key in list(self._tensors):
             yield key, self.get(key)
 
-    def values(self) -> Iterator[torch.Tensor]:
+    def values(self) -> Iterator[Residual]:
         for _, value in self.items():
             yield value
 
@@ -167,17 +181,19 @@ class OffloadedResiduals:
 
     def nbytes(self) -> int:
         """Bytes of residuals resident now (the rest is in the store)."""
-        return sum(t.untyped_storage().nbytes() for t in self._tensors.values())
+        return sum(backing_tensor(v).untyped_storage().nbytes() for v in self._tensors.values())
 
     def placed_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._tensors.values())
+        """Bytes of all residuals, wherever they are (raw bytes: 4, 2 or ~1 per element)."""
+        return sum(backing_tensor(v).numel() * backing_tensor(v).element_size()
+                   for v in self._tensors.values())
 
     # ---- moves --------------------------------------------------------------------------
     def _fetch(self, key: Hashable) -> None:
         state = self._state.get(key)
         if state not in (AWAY, EVICTING):
             return
-        tensor = self._tensors[key]
+        tensor = backing_tensor(self._tensors[key])
         if state == AWAY:
             tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
         self._futures[key] = [self.store.prefetch(i, keep=True) for i in self._ids[key]]
@@ -203,7 +219,7 @@ class OffloadedResiduals:
         for f in self._futures.get(key, []):
             f.result()
         self.stall_s += time.perf_counter() - start
-        self._tensors[key].untyped_storage().resize_(0)
+        backing_tensor(self._tensors[key]).untyped_storage().resize_(0)
         self._state[key], self._futures[key] = AWAY, []
 
     def settle(self) -> None:
@@ -214,3 +230,10 @@ class OffloadedResiduals:
                 self._writes.remove(key)
             elif self._state.get(key) != EVICTING:
                 self._writes.remove(key)
+
+
+def _same_layout(value: Residual, like: Residual) -> bool:
+    if isinstance(value, QuantisedResidual) or isinstance(like, QuantisedResidual):
+        return isinstance(value, QuantisedResidual) and value.same_layout(like)
+    return (value.numel() == like.numel() and value.dtype == like.dtype
+            and value.device == like.device)

@@ -17,8 +17,10 @@ def _step(ef, key, g, c, dp, rank=0, commit=True, zero_index=None):
     owed = ef.owed(key, grad).view(dp, -1)
     payload = c.compress_rows(owed)
     ef.stage(key, grad, payload, rank, c, zero_index)
-    shard = grad.numel() // dp
-    grad[rank * shard:(rank + 1) * shard].fill_(123.0)  # the reduce-scatter overwrites the own shard
+    # The residual is computed at stage time: the glue may free the whole gradient after the
+    # sync (issue 28), so nothing of it may be read at commit.
+    assert not ef.references_grad(key)
+    grad.fill_(float("nan"))
     (ef.commit if commit else ef.discard)()
     return payload
 
@@ -87,6 +89,7 @@ def test_bookkeeping_and_checkpoint():
     grad = g2.clone()
     ef.owed(1, grad)
     ef.stage(1, grad, c.compress_rows(grad.view(2, -1)), 0, c)
+    assert ef.nbytes() == 2 * 512 * 4  # the committed residual and the staged one
     with pytest.raises(RuntimeError, match="staged"):
         ef.state_dict()  # a checkpoint in the middle of a step would lose the staged update
     ef.discard()

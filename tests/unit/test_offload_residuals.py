@@ -1,13 +1,15 @@
 """OffloadedResiduals: error-feedback residuals kept on SSD between their read and their write
-give the same bits as residuals kept in memory, through skipped steps, with a few resident."""
+give the same bits as residuals kept in memory, through skipped steps, with a few resident, in
+every residual dtype (fp32, bf16, int8: stored as their raw bytes, scales included)."""
 
 import pytest
 import torch
 
 from megatron_grpo.comm.compress import Int4Compressor
-from megatron_grpo.comm.error_feedback import ErrorFeedback
+from megatron_grpo.comm.error_feedback import ErrorFeedback, backing_tensor, residual_nbytes
 from megatron_grpo.offload import ChunkStore, OffloadConfig
 from megatron_grpo.offload.residuals import OffloadedResiduals
+from megatron_grpo.offload.slot_file import align_up
 
 
 def _grad(n, seed):
@@ -19,19 +21,25 @@ def _owe_and_stage(ef, key, g, c, dp, rank):
     grad = g.clone()
     payload = c.compress_rows(ef.owed(key, grad).view(dp, -1))
     ef.stage(key, grad, payload, rank, c)
-    shard = grad.numel() // dp
-    grad[rank * shard:(rank + 1) * shard].fill_(123.0)  # the reduce-scatter's own shard
+    grad.fill_(float("nan"))  # freed after the sync (issue 28): stage has taken what it needs
     return payload
 
 
+def _same(a, b) -> bool:
+    a, b = backing_tensor(a), backing_tensor(b)
+    return a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8"])
 @pytest.mark.parametrize("target", ["ssd", "cpu"])
-def test_offloaded_residuals_are_bit_identical_through_skipped_steps(tmp_path, target):
+def test_offloaded_residuals_are_bit_identical_through_skipped_steps(tmp_path, target, dtype):
     c, dp, n, keys = Int4Compressor(256), 2, 8192, [(u, 0) for u in range(10)]
     cfg = OffloadConfig(chunk_mb=0.25, offload_dir=str(tmp_path) if target == "ssd" else None,
                         capacity=8 << 20)
+    each = residual_nbytes(n, dtype, 256)  # the raw bytes of one residual: 4, 2 or ~1 per element
     with ChunkStore(cfg, rank=0) as store:
         res = OffloadedResiduals(store, target, lookahead=2)
-        plain, offloaded = ErrorFeedback(), ErrorFeedback()
+        plain, offloaded = ErrorFeedback(dtype, 256), ErrorFeedback(dtype, 256)
         offloaded.use_store(res)
         resident_during_backward = []
         for step in range(8):
@@ -44,7 +52,7 @@ def test_offloaded_residuals_are_bit_identical_through_skipped_steps(tmp_path, t
                 a = _owe_and_stage(plain, key, g, c, dp, step % dp)
                 b = _owe_and_stage(offloaded, key, g, c, dp, step % dp)
                 assert torch.equal(a, b)  # the same payloads went on the wire
-                resident_during_backward.append(res.nbytes() // (n * 4))
+                resident_during_backward.append(res.nbytes() // each)
             if skipped:
                 plain.discard(), offloaded.discard()
             else:
@@ -54,11 +62,20 @@ def test_offloaded_residuals_are_bit_identical_through_skipped_steps(tmp_path, t
         assert offloaded.nbytes() == 0  # between steps every residual is away
         # From the second step on, backward holds at most lookahead + 1 being read and
         # lookahead + 1 still being written: 6 of the 10, however the threads are scheduled.
-        assert max(resident_during_backward[len(keys):]) <= 6
+        assert 2 <= max(resident_during_backward[len(keys):]) <= 6
+        assert res.placed_bytes() == len(keys) * each  # compact in the store too
+        # One registration per key, reused by every commit (a new one each step would grow the
+        # store's chunk table for good).
+        assert sum(store.stats()["resident_bytes"].values()) == len(keys) * each
+        if target == "ssd":
+            assert store.stats()["ssd_used_bytes"] == len(keys) * align_up(each)
         for key in keys:
-            assert torch.equal(offloaded.residual(key), plain.residual(key)), key
+            assert _same(offloaded.stored(key), plain.stored(key)), key
         state = offloaded.state_dict()["residuals"]
-        assert set(state) == set(keys) and all(torch.equal(state[k], plain.residual(k)) for k in keys)
+        assert set(state) == set(keys)
+        restored = ErrorFeedback(dtype, 256)
+        restored.load_state_dict(offloaded.state_dict())  # the checkpoint of an offloaded run
+        assert all(_same(restored.stored(k), plain.stored(k)) for k in keys)
 
 
 def test_reset_and_drop_go_through_the_store(tmp_path):
