@@ -102,6 +102,9 @@ def summarize(records: List[Dict], steady_from: int = 0) -> Dict:
     # the whole-run peak also holds the warm-up's (every unit core, all state resident).
     if any("step_peak_rss_bytes" in r for r in steady):
         out["steady_peak_rss_mb"] = max(r.get("step_peak_rss_bytes", 0) for r in steady) / 2**20
+    if any("grad_bytes_peak" in r for r in steady):  # --grpo-release-grads: gradient storage
+        out["steady_grad_peak_mb"] = max(r.get("grad_bytes_peak", 0) for r in steady) / 2**20
+        out["grad_whole_buffer_mb"] = steady[-1].get("grad_bytes_whole_buffer", 0) / 2**20
     if any("step_peak_device_bytes" in r for r in steady):
         out["steady_peak_device_mb"] = max(r.get("step_peak_device_bytes", 0) for r in steady) / 2**20
     if any("offload_bytes_written" in r for r in steady):
@@ -114,6 +117,9 @@ def summarize(records: List[Dict], steady_from: int = 0) -> Dict:
             "hidden_share": (1 - stall / busy) if busy > 0 else None,
             "stable_away_mb": max(r.get("offload_bytes_stable_ssd", 0) + r.get("offload_bytes_stable_cpu", 0)
                                   for r in steady) / 2**20,
+            # Everything the memory tier placed away after a step: every tier and the residuals.
+            "away_mb": max(sum(v for k, v in r.items() if k.startswith("offload_bytes_")
+                               and k.endswith(("_ssd", "_cpu"))) for r in steady) / 2**20,
         }
     if any("peak_device_bytes" in r for r in records):
         out["peak_device_mb"] = max(r.get("peak_device_bytes", 0) for r in records) / 2**20

@@ -15,7 +15,6 @@ import os
 
 from megatron_grpo.bench import figures as F
 from megatron_grpo.bench import plots
-from megatron_grpo.bench.comm import THREE_TIERS
 from megatron_grpo.bench.runner import CONFIGS, REPO, Contender
 from megatron_grpo.bench.sidebyside import plot_path, run_all
 from megatron_grpo.bench.suite import SuiteResult
@@ -41,13 +40,13 @@ def contenders(out: str):
     cuda = _cuda()
     return [
         Contender("baseline", [], "megatron-core, all state on the training device"),
-        Contender("grpo", ["--grpo", *THREE_TIERS], "GRPO, 15/65/20 tiers, exact core (adds "
-                  "error-feedback residuals of the dynamic tier, fp32 masters of its own and the "
-                  "delayed stable accumulators)"),
-        Contender("grpo-ssd", ["--grpo", *THREE_TIERS, "--grpo-offload", "ssd", "--grpo-offload-dir",
-                               offload_dir(out)],
-                  "GRPO with the memory tier: the stable tier's Adam moments and masters on SSD "
-                  "between its updates, prefetched a step ahead"),
+        Contender("grpo", ["--grpo"], "GRPO defaults (int8 core, int4 dynamic with fp32 "
+                  "error-feedback residuals), gradient memory per tier unit released after its sync"),
+        Contender("grpo-whole-buffer", ["--grpo", "--no-grpo-release-grads"],
+                  "GRPO defaults on megatron's one gradient buffer (before issue 28)"),
+        Contender("grpo-ssd", ["--grpo", "--grpo-offload", "ssd", "--grpo-offload-dir", offload_dir(out)],
+                  "GRPO defaults with the memory tier: dynamic state and residuals on SSD, "
+                  "streamed through the optimizer step"),
         Contender("megatron-cpu-offload", ["--optimizer-cpu-offload"],
                   "megatron-core optimizer_cpu_offload (HybridDeviceOptimizer)",
                   skip=("--optimizer-cpu-offload is not wired into the training entry yet "
@@ -69,7 +68,8 @@ def run(args, command: str) -> SuiteResult:
     cmp = {n: F.compare(summaries[n], summaries["baseline"]) for n in summaries}
     res = SuiteResult("memory", "Memory by location: baseline, GRPO and its memory tier", command,
                       ["contender", "steady peak RSS MB", "ratio", "whole-run peak RSS MB",
-                       "steady peak device MB", "stable state away MB", "moved MB/step",
+                       "steady peak device MB", "gradient peak MB (of whole buffer)",
+                       "state away MB", "moved MB/step",
                        "copy time hidden", "steady step time ratio", "val loss"])
     rows = {}
     for c in runnable:
@@ -78,7 +78,9 @@ def run(args, command: str) -> SuiteResult:
         res.rows.append([c.name, F.fmt(s.get("steady_peak_rss_mb"), ".0f"),
                          F.fmt(k["steady_peak_rss_ratio"], ".3f"), f"{s['peak_rss_mb']:.0f}",
                          F.fmt(s.get("steady_peak_device_mb"), ".0f"),
-                         F.fmt(off.get("stable_away_mb"), ".0f"),
+                         (f"{s['steady_grad_peak_mb']:.0f} ({s['grad_whole_buffer_mb']:.0f})"
+                          if s.get("steady_grad_peak_mb") is not None else "whole buffer"),
+                         F.fmt(off.get("away_mb"), ".0f"),
                          F.fmt(off.get("moved_mb_per_step"), ".1f"),
                          F.fmt(100 * off["hidden_share"] if off.get("hidden_share") is not None
                                else None, ".1f", " %"),
@@ -87,8 +89,8 @@ def run(args, command: str) -> SuiteResult:
         loc = {"host RSS (steady peak)": s.get("steady_peak_rss_mb") or s["peak_rss_mb"]}
         if s.get("steady_peak_device_mb") is not None:
             loc["device (steady peak)"] = s["steady_peak_device_mb"]
-        if off.get("stable_away_mb"):
-            loc["SSD (stable state)"] = off["stable_away_mb"]
+        if off.get("away_mb"):
+            loc["SSD (state away)"] = off["away_mb"]
         rows[c.name] = loc
     for c in cands:
         if c.skip:

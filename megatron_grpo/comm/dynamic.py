@@ -19,6 +19,8 @@ depend only on the bucket layout.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from typing import Callable, Optional
 
 import torch
@@ -120,18 +122,35 @@ class CompressedReduceScatter(InFlightReduceScatter):
         self.compressor.decompress_rows_sum(self.recv, self.shard_len, out=self.shard_out)
 
 
-def compressed_param_gather(param_flat: torch.Tensor, staged_master: torch.Tensor,
-                            compressor: Compressor, group,
-                            replicated: Optional[ReplicatedElements] = None) -> None:
-    """Update every rank's copy of ``param_flat`` (one bucket's param buffer) from the owners'
-    exact master shards (``staged_master`` is this rank's shard, length param_flat/dp)."""
-    dp = dist.get_world_size(group)
-    rank = dist.get_rank(group)
+@dataclass
+class PreparedDelta:
+    """This rank's quantised parameter update of one bucket, ready to gather: the compressed
+    payload of (new master shard - current model copy) and the replicated elements' exact
+    values. Kept instead of the fp32 master shard between the optimizer step and the gather
+    (1/8 of its bytes with int4, 1/4 with int8)."""
+    payload: torch.Tensor
+    exact: Optional[torch.Tensor]
+
+
+def prepare_param_delta(param_flat: torch.Tensor, staged_master: torch.Tensor, compressor: Compressor,
+                        dp: int, rank: int, replicated: Optional[ReplicatedElements] = None) -> PreparedDelta:
+    """Quantise this rank's update as soon as its shard is staged. The model copy's own row
+    does not change before the gather (compressed buckets are written only by it), so the
+    delta is the one the gather would compute."""
     shard_len = param_flat.numel() // dp
     rows = param_flat.view(dp, shard_len)
     delta = staged_master.to(torch.float32) - rows[rank].to(torch.float32)
     exact = replicated.split_update(delta, staged_master) if replicated is not None else None
-    payload = compressor.compress_rows(delta.view(1, shard_len))
+    return PreparedDelta(compressor.compress_rows(delta.view(1, shard_len)), exact)
+
+
+def gather_param_delta(param_flat: torch.Tensor, prepared: PreparedDelta, compressor: Compressor,
+                       group, replicated: Optional[ReplicatedElements] = None) -> None:
+    """Every rank's copy of ``param_flat`` gets every owner's quantised update."""
+    dp = dist.get_world_size(group)
+    shard_len = param_flat.numel() // dp
+    rows = param_flat.view(dp, shard_len)
+    payload, exact = prepared.payload, prepared.exact
     gathered = torch.empty((dp, payload.shape[1]), dtype=torch.uint8, device=payload.device)
     dist.all_gather_into_tensor(gathered.view(-1), payload.view(-1), group=group)
     if exact is not None:
@@ -139,3 +158,13 @@ def compressed_param_gather(param_flat: torch.Tensor, staged_master: torch.Tenso
     rows.add_(compressor.decompress_rows(gathered, shard_len).to(rows.dtype))
     if exact is not None:
         replicated.apply_values(param_flat, exact)
+
+
+def compressed_param_gather(param_flat: torch.Tensor, staged_master: torch.Tensor,
+                            compressor: Compressor, group,
+                            replicated: Optional[ReplicatedElements] = None) -> None:
+    """Update every rank's copy of ``param_flat`` (one bucket's param buffer) from the owners'
+    exact master shards (``staged_master`` is this rank's shard, length param_flat/dp)."""
+    prepared = prepare_param_delta(param_flat, staged_master, compressor, dist.get_world_size(group),
+                                   dist.get_rank(group), replicated)
+    gather_param_delta(param_flat, prepared, compressor, group, replicated)

@@ -34,7 +34,7 @@ import torch
 
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
 
-from megatron_grpo.comm.dynamic import CompressedReduceScatter, compressed_param_gather
+from megatron_grpo.comm.dynamic import CompressedReduceScatter, gather_param_delta, prepare_param_delta
 from megatron_grpo.comm.hierarchical import InterInstanceAllReduce
 from megatron_grpo.comm.powersgd import PowerSGDReduceScatter
 from megatron_grpo.megatron.options import check_ddp_options, sum_scaling_factor
@@ -372,15 +372,17 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
             with ctrl.counter.tag(tier):
                 for i, b in enumerate(self.buckets):
                     param_flat = b.param_data.view(-1)
-                    staged = ctrl.staging.pop((unit, i), None)
-                    if staged is None:
+                    prepared = ctrl.staging.pop((unit, i), None)
+                    if prepared is None:
                         # This rank owns no parameter of the bucket (its shard is padding): it
                         # still joins the gather, sending a zero update, because every rank
                         # must issue the same collectives whatever its data.
                         shard = param_flat.numel() // self._group.size()
                         staged = param_flat[rank * shard:(rank + 1) * shard].to(torch.float32, copy=True)
-                    compressed_param_gather(param_flat, staged, compressor, self._group,
-                                            replicated=ctrl.replicated.get((unit, i)))
+                        prepared = prepare_param_delta(param_flat, staged, compressor, self._group.size(),
+                                                       rank, ctrl.replicated.get((unit, i)))
+                    gather_param_delta(param_flat, prepared, compressor, self._group,
+                                       replicated=ctrl.replicated.get((unit, i)))
             self.param_gather_dispatched = True
             return
         with ctrl.counter.tag(tier):

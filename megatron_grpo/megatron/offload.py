@@ -134,6 +134,7 @@ def _window_inner_step(oi: int, opt, placement: TierPlacement, ctrl) -> None:
             # parameters, bench memcap).
             placement.add(_opt_state(oi, opt, ctrl, only_unit=unit))
             opt._copy_main_params_to_model_params(units={unit})
+            _free_unit_grads(ctrl, unit, streamed[unit])
 
         placement.stream([w for w in windows if w in streamed], update)
         counters.end()
@@ -143,6 +144,21 @@ def _window_inner_step(oi: int, opt, placement: TierPlacement, ctrl) -> None:
         return result
 
     inner.step = windowed_step
+
+
+def _free_unit_grads(ctrl, unit: int, params) -> None:
+    """With gradient release (megatron/grad_storage.py) the unit's gradient shards are spent
+    once it is updated: free them now rather than at the step's end, so the streamed step
+    holds the shards of the units still to come, not all of them."""
+    group = ctrl.units[unit].group
+    storage = getattr(group, "grpo_storage", None)
+    if storage is None or any(ctrl.ef.references_grad((unit, i)) for i in range(len(group.buckets))):
+        return
+    for p in params:
+        p.grad = None
+    for b in group.buckets:
+        b.grpo_grads.drop()
+    storage.released()
 
 
 def _grad(p):

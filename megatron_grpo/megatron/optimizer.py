@@ -10,8 +10,8 @@ thin overrides:
   megatron's whole-model buffer being gone.
 * ``_copy_main_params_to_model_params``: a compressed unit's (dynamic, or core with
   --grpo-core-compressor) updated master shard goes to a staging
-  buffer instead of the parameter buffer; the bucket group then sends the quantised difference
-  (see megatron_grpo.comm.dynamic). Frozen stable units are not copied (nothing changed).
+  buffer instead of the parameter buffer, quantised against the model copy once complete
+  (``prepare_param_delta``); the bucket group then sends it (see megatron_grpo.comm.dynamic). Frozen stable units are not copied (nothing changed).
 * ``state_dict``: skipped params make torch Adam's per-param ``step`` counters differ, and
   megatron asserts a single one; the checkpoint stores the largest (the optimizer's iteration)
   and GRPO's rank state keeps the exact per-param counters (``param_steps``).
@@ -30,6 +30,7 @@ import torch
 
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+from megatron_grpo.comm.dynamic import prepare_param_delta
 from megatron_grpo.megatron.options import check_optimizer_options
 
 
@@ -157,6 +158,7 @@ class GRPODistributedOptimizer(DistributedOptimizer):
                     and getattr(self.ddp_config, "num_distributed_optimizer_instances", 1) == 1)
         rank = self.data_parallel_group.rank()
         copied = self._grpo_copied_units
+        staged_now = {}
         for model_param, shard in self._pairs():
             bucket = self._bucket_of(model_param)
             unit = ctrl.unit_of_bucket[id(bucket)]
@@ -173,10 +175,16 @@ class GRPODistributedOptimizer(DistributedOptimizer):
                     # Start from the current model copy so untouched (padding) ranges send 0.
                     staged = param_flat[rank * shard_len:(rank + 1) * shard_len].detach().float().clone()
                     ctrl.staging[index] = staged
+                    staged_now[index] = (param_flat, ctrl.unit_compressor(unit))
                 start = world_range.start - rank * shard_len
                 staged[start:start + world_range.size].copy_(shard.detach().view(-1))
             else:
                 param_flat[world_range.start:world_range.end].copy_(shard.detach().view(-1))
+        # Each staged shard is complete now: keep its quantised update, not the fp32 copy.
+        dp = self.data_parallel_group.size()
+        for index, (param_flat, compressor) in staged_now.items():
+            ctrl.staging[index] = prepare_param_delta(param_flat, ctrl.staging[index], compressor, dp,
+                                                      rank, ctrl.replicated.get(index))
         if units is not None:
             copied.update(units)
         else:
