@@ -116,6 +116,18 @@ class GRPODistributedOptimizer(DistributedOptimizer):
         ctrl.note_nonfinite(found)
         return found
 
+    # -- extends DistributedOptimizer.step_with_ready_grads (run only for an applied step) ---------
+    def step_with_ready_grads(self) -> bool:
+        ctrl = self.grpo
+        if ctrl is not None and self.placement is None:
+            # Every optimizer found its gradients finite (megatron calls this only then), so the
+            # step is applied: the staged error-feedback residuals become the residuals now, and
+            # the old ones (kept in case the step were skipped) are freed before Adam's peak
+            # rather than after it. With the memory tier their write-out waits for the step's
+            # end, off the streamed state's copies (GRPOController.end_step).
+            ctrl.ef.commit()
+        return super().step_with_ready_grads()
+
     # -- extend MegatronOptimizer.get_grad_norm / clip_grad_norm -----------------------------------
     def get_grad_norm(self):
         """megatron's norm is taken over the instance (its grad-stats group). With periodic tiers
