@@ -61,12 +61,22 @@ def _scores_bytes(model, tp: int) -> int:
 def layer_activation_bytes(model, tp: int) -> int:
     """Bytes one transformer layer keeps for backward, per micro-batch (no recompute, no
     sequence parallelism)."""
+    return sum(layer_activation_parts(model, tp).values())
+
+
+def layer_activation_parts(model, tp: int) -> dict:
+    """``layer_activation_bytes`` by the backward step that frees them: "fc2" (linear_fc2's
+    input, the MLP's dropout mask), "act" (the activation's other inputs), "fc1" (linear_fc1's
+    input), "ln2" (pre-MLP norm), "proj" (linear_proj's input, the attention's dropout mask),
+    "attention" (Q, K, V, the scores, rotary tables, linear_qkv's input) and "ln1" (input
+    norm)."""
     s, b, h, a, f = model.seq_length, model.micro_batch_size, model.hidden, model.heads, model.ffn
     e = model.param_bytes
     d, g = h // a, model.groups
     sbh, sbf, sb = s * b * h, s * b * f, s * b
     # Replicated over TP: both norms (input and stats) and their outputs (QKV's and fc1's input).
-    total = 2 * _norm_bytes(model, sbh, sb) + 2 * sbh * e
+    norm = _norm_bytes(model, sbh, sb)
+    attention = sbh * e
     # Split over TP: Q, K, V and the attention context (linear_proj's input).
     qkv = sb * (h + 2 * g * d) if model.flash_attention else 3 * sbh
     if model.rope:
@@ -74,14 +84,17 @@ def layer_activation_bytes(model, tp: int) -> int:
             qkv += sb * (h + g * d)  # rotated q and k (assumed, not measured)
         elif g == a:
             qkv += 2 * sbh  # rotated q and k: new storages beside the fused QKV output
-        total += 4 * s * d * e  # cos and sin, for q and for k
-    total += (qkv + sbh) * e // tp
+        attention += 4 * s * d * e  # cos and sin, for q and for k
+    attention += (qkv + sbh) * e // tp + _scores_bytes(model, tp)
     # Split over TP: the MLP (GeLU: its input and fc2's input; SwiGLU: see the module notes).
-    total += (5 if model.swiglu else 2) * sbf * e // tp
-    total += _scores_bytes(model, tp)
-    if model.dropout:
-        total += 2 * sbh  # one-byte masks of the two hidden dropouts
-    return total
+    fc2 = sbf * e // tp
+    act = (5 if model.swiglu else 2) * sbf * e // tp - fc2
+    context = sbh * e // tp
+    attention -= context
+    if model.dropout:  # one-byte masks of the two hidden dropouts, freed by bias-dropout-add
+        fc2, context = fc2 + sbh, context + sbh
+    return {"fc2": fc2, "act": act, "fc1": sbh * e, "ln2": norm, "proj": context,
+            "attention": attention, "ln1": norm}
 
 
 def _stage_parts(model, cluster, stage: int):
@@ -110,6 +123,35 @@ def stage_activation_bytes(model, cluster, stage: int) -> int:
     plus what backward's recompute rebuilds for one of them."""
     per_mb, working, constant = _stage_parts(model, cluster, stage)
     return (cluster.pp - stage) * per_mb + working + constant
+
+
+def backward_freed_bytes(model, cluster, stage: int) -> dict:
+    """What the backward of one micro-batch on ``stage`` frees, by part (the planner's
+    gradient-release timeline, megatron_grpo/planner_grads.py): "head" (last stage: the final
+    norm, the output layer's input, the logits' fp32 softmax, the labels), one layer's parts
+    (``layer_activation_parts``; with recompute its kept bytes, the stage's average, as "ln1")
+    and "embedding" (first stage: the ids)."""
+    s, b, h, e = model.seq_length, model.micro_batch_size, model.hidden, model.param_bytes
+    layers = model.num_layers // cluster.pp
+    kept, _ = _layers_kept(model, layers, cluster.tp)
+    # Without recompute a layer's tensors go part by part; with it a layer keeps its input.
+    parts = (layer_activation_parts(model, cluster.tp) if model.recompute_granularity is None
+             else {"ln1": kept / layers if layers else 0})
+    head = embedding = 0
+    if stage == 0:
+        embedding = (1 if model.rope else 2) * 8 * s * b + (s * b * h if model.dropout else 0)
+    if stage == cluster.pp - 1:
+        head = (_norm_bytes(model, s * b * h, s * b) + s * b * h * e
+                + 4 * s * b * model.padded_vocab(cluster.tp) // cluster.tp + 9 * s * b)
+    return {"head": head, "embedding": embedding, **parts}
+
+
+def last_backward_activation_bytes(model, cluster, stage: int) -> int:
+    """Activations held on ``stage`` when a step's last backward begins: one micro-batch's
+    (1F1B's cool-down has finished the others) and recompute's working set; the gradient syncs
+    all happen in this backward."""
+    per_mb, working, constant = _stage_parts(model, cluster, stage)
+    return per_mb + working + constant
 
 
 def stage_kept_bytes(model, cluster, stage: int) -> int:

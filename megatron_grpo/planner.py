@@ -11,14 +11,16 @@ bytes one data-parallel rank sends per step under the ring model of ``comm/wire.
 
 from __future__ import annotations
 
-import math
-from collections import deque
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
 
 from megatron_grpo.comm.analytic import baseline_step_bytes, ddp_bucket_numels, gpt_param_numels
 from megatron_grpo.comm.compress import build_compressor
 from megatron_grpo.config import TIERS, GRPOConfig
+# The gradient, residual and placement model (issue 28) lives in its own file.
+from megatron_grpo.planner_grads import (RESIDUAL_BYTES, RESIDUALS_RESIDENT,  # noqa: F401
+                                         backward_order, late_bytes, param_units, place,
+                                         release_memory, residual_bytes, stream_window_bytes)
 # The renderings (launch/plan.py, docs/planner.md) live in their own file, re-exported here.
 from megatron_grpo.planner_format import GB, format_plan, format_table  # noqa: F401
 
@@ -197,6 +199,10 @@ class ClusterSpec:
             if model.heads % self.tp or model.ffn % self.tp:
                 raise ValueError(f"ClusterSpec.tp ({self.tp}) must divide ModelSpec.heads "
                                  f"({model.heads}) and the MLP size ({model.ffn})")
+            per_step = model.micro_batch_size * self.dp
+            if model.global_batch_size is not None and model.global_batch_size % per_step:
+                raise ValueError(f"ModelSpec.global_batch_size ({model.global_batch_size}) must be a "
+                                 f"multiple of micro_batch_size x DP ({per_step})")
 
 
 @dataclass
@@ -214,17 +220,51 @@ class Memory:
     activations: int
     """Tensors saved for backward of all in-flight micro-batches (formula: docs/planner.md)."""
     error_feedback: int = 0
-    """GRPO: fp32 residuals of the tiers compressed every step. One instance: one per element
-    of those units, on every DP rank. Several instances: only the inter-instance stage
-    compresses, so one per element of this rank's shard, padded to a multiple of the instances
-    (megatron_grpo/comm/hierarchical.py)."""
+    """GRPO: the committed error-feedback residuals of the tiers compressed every step, in
+    --grpo-residual-dtype (4, 2 or 1 + 4/--grpo-compress-chunk bytes per element). One
+    instance: one per element of those units, on every DP rank. Several instances: only the
+    inter-instance stage compresses, so one per element of this rank's shard, padded to a
+    multiple of the instances (megatron_grpo/comm/hierarchical.py)."""
+    error_feedback_staged: int = 0
+    """--grpo-release-grads: the new residuals staged at the units' syncs, beside the committed
+    ones (kept for a skipped step) until the step ends, at the peak."""
+    residual_dtype: str = "fp32"
+    """Storage of the residuals (--grpo-residual-dtype)."""
+    residuals_by_dtype: Dict[str, int] = field(default_factory=dict)
+    """The committed residuals' bytes were they stored in each --grpo-residual-dtype."""
+    grads_full: int = 0
+    """--grpo-release-grads: full unit storage resident at the peak (of the ``grads``): the unit
+    being filled and those whose sync is in flight (--grpo-grad-units-in-flight); every unit
+    while micro-batches accumulate or without --overlap-grad-reduce."""
+    grad_shards: int = 0
+    """--grpo-release-grads: this rank's shards of the units already synced, kept to the step's end."""
+    grad_late_copies: int = 0
+    """--grpo-release-grads: own gradient copies of the parameters megatron reads after the sync
+    (the position embedding with pipeline parallelism), kept to the step's end."""
+    grads_held: int = 0
+    """--grpo-release-grads: delayed stable units between updates keep their full gradient to
+    the step's end (it is added into their accumulator then)."""
+    activations_freed: int = 0
+    """--grpo-release-grads: activations backward has freed by the peak moment (released in
+    proportion to the gradient elements backward has reached)."""
+    grad_peaks: Dict[str, int] = field(default_factory=dict)
+    """GRPO: the most gradient bytes at any moment of a step between stable updates
+    ("between"), of an update step ("update") and, with --grpo-release-grads, of the first
+    iteration ("first"): what the gradient storage's ``grad_bytes_peak`` metric reports."""
+    step_peaks: Dict[str, int] = field(default_factory=dict)
+    """GRPO: the peak of a step between stable updates ("between"), of an update step
+    ("update") and, with --grpo-release-grads, of the first iteration ("first")."""
+    first_iteration: int = 0
+    """--grpo-release-grads: the peak of the first iteration (megatron's first batch syncs every
+    unit after backward, so all units are full at its end; GRPO's warm-up is exact, so no
+    residuals; no Adam moments yet). ``total`` is the larger of this and the steady peak."""
     delayed_accumulators: int = 0
     """GRPO --grpo-stable-mode delayed: fp32 gradient accumulator per stable-tier element."""
     outer_state: int = 0
     """GRPO periodic tiers (instances > 1): per element of this rank's shard of a periodic unit,
     the fp32 anchor of the last sync, the outer momentum (--grpo-outer-momentum > 0) and, when
-    the tier's deltas are compressed, their residual padded like error_feedback's
-    (megatron_grpo/comm/outer.py)."""
+    the tier's deltas are compressed, their residual padded like error_feedback's, in
+    --grpo-residual-dtype (megatron_grpo/comm/outer.py)."""
     offloaded: int = 0
     """Bytes of this rank's state on host/SSD at the step's peak (--grpo-offload): with
     streaming, the fp32 masters and Adam moments of the dynamic and stable units, less the two
@@ -240,13 +280,24 @@ class Memory:
 
     @property
     def model_state(self) -> int:
+        """Model state at the steady peak moment."""
         return (self.params + self.grads + self.master_params + self.optimizer_moments
-                + self.error_feedback + self.delayed_accumulators + self.outer_state
-                - self.offloaded)
+                + self.error_feedback + self.error_feedback_staged + self.delayed_accumulators
+                + self.outer_state - self.offloaded)
+
+    @property
+    def steady(self) -> int:
+        """Peak of a step after the first: model state and the activations still held."""
+        return self.model_state + self.activations - self.activations_freed
 
     @property
     def total(self) -> int:
-        return self.model_state + self.activations
+        """The peak per GPU: the larger of the steady and the first iteration's."""
+        return max(self.steady, self.first_iteration)
+
+    @property
+    def peak_phase(self) -> str:
+        return "first iteration" if self.first_iteration > self.steady else "steady"
 
 
 @dataclass
@@ -308,6 +359,9 @@ class Plan:
     """GRPO's steady-state bytes per step, by tier."""
     grpo_warmup_bytes: int
     """Bytes per step while every unit is core (GRPO warm-up), on GRPO's unit layout."""
+    baseline_peak: int = 0
+    """The baseline's peak per GPU on its own busiest stage (``baseline_memory`` is for
+    ``memory_stage``, GRPO's busiest)."""
 
     baseline_bytes = property(lambda self: self.baseline_grad_bytes + self.baseline_param_bytes)
     grpo_bytes = property(lambda self: self.grpo_traffic.per_step)  # steady-state average
@@ -328,7 +382,8 @@ class Plan:
 
 
 # Activations: megatron_grpo/activations.py (re-exported: the planner's public names).
-from megatron_grpo.activations import (layer_activation_bytes, stage_activation_bytes,  # noqa: E402
+from megatron_grpo.activations import (backward_freed_bytes, last_backward_activation_bytes,  # noqa: E402
+                                       layer_activation_bytes, stage_activation_bytes,
                                        stage_kept_bytes)
 
 # ---------------------------------------------------------------------------------- the plan
@@ -366,8 +421,8 @@ def parse_tiers(tiers: Sequence[str], n_units: int) -> List[str]:
 
 
 def _memory(model: ModelSpec, cluster: ClusterSpec, buckets: List[int], unpadded: int,
-            activations: int, separate_fp32_master: bool, ef_elements: float = 0.0,
-            accum_elements: float = 0.0, outer_elements: float = 0.0) -> Memory:
+            activations: int, separate_fp32_master: bool, ef_bytes: float = 0.0,
+            accum_elements: float = 0.0, outer_bytes: float = 0.0) -> Memory:
     padded = sum(buckets)
     # The distributed optimizer keeps state only for real parameter elements of this rank's
     # shard; averaged over ranks that is unpadded / (ranks of one instance): megatron's partial
@@ -377,54 +432,26 @@ def _memory(model: ModelSpec, cluster: ClusterSpec, buckets: List[int], unpadded
     master = 4 * shard if (model.bf16 or separate_fp32_master) else 0
     return Memory(params=padded * model.param_bytes, grads=padded * 4,
                   master_params=round(master), optimizer_moments=round(8 * shard),
-                  activations=activations, error_feedback=round(4 * ef_elements),
+                  activations=activations, error_feedback=round(ef_bytes),
                   delayed_accumulators=round(4 * accum_elements),
-                  outer_state=round(4 * outer_elements))
+                  outer_state=round(outer_bytes))
 
 
-def _instance_state(units: List[int], tiers: Optional[List[str]], grpo: GRPOConfig, dp: int,
-                    instances: int, compressing: Sequence[str]) -> Tuple[float, float]:
-    """(error-feedback elements, outer-state elements) of one rank with instances > 1.
-    ``compressing``: the tiers compressed between instances (per step, or their deltas)."""
-    intra = dp // instances
-    shard = _tier_elements([n // intra for n in units], tiers, grpo)
-    # The inter-instance stage pads a shard to one row per instance (comm/hierarchical.py).
-    rows = _tier_elements([-(-(n // intra) // instances) * instances for n in units], tiers, grpo)
+def _local_tiers(grpo: GRPOConfig) -> set:
+    """Tiers trained inside an instance and averaged between instances periodically."""
     local = {t for t in ("core", "dynamic") if grpo.sync_interval(t) > 1}
-    local |= {"stable"} if grpo.stable_mode == "local" else set()
-    ef = sum(rows[t] for t in compressing if t not in local)
+    return local | ({"stable"} if grpo.stable_mode == "local" else set())
+
+
+def _outer_bytes(units: List[int], weights: List[Dict[str, float]], residuals: List[int],
+                 grpo: GRPOConfig, intra: int, compressing: Sequence[str]) -> float:
+    """Outer state of one rank with instances > 1 (comm/outer.py): per periodic-tier element
+    of this rank's shard the fp32 anchor (and momentum), and, when the tier's deltas are
+    compressed, their residual (``residuals``: one per unit, rows padded like the
+    inter-instance stage's, in --grpo-residual-dtype)."""
     per_anchor = 2 if grpo.outer_momentum > 0 else 1  # anchor (+ momentum)
-    outer = sum(per_anchor * shard[t] + (rows[t] if t in compressing else 0.0) for t in local)
-    return ef, outer
-
-
-def _place(g: Memory, units: List[int], elements: Dict[str, float], shard: float, dp: int,
-           stream: bool, residuals: bool = False, stable_every_step: bool = False) -> None:
-    """The memory tier's effect on one rank (megatron_grpo/offload/placement.py). Streaming:
-    the dynamic and stable units' masters and moments (12 bytes per shard element) are away at
-    the peak but for two units' worth. Without streaming only the stable tier's state moves,
-    and only between its updates (the peak, an update step, keeps it); a stable tier synced
-    every step (--grpo-stable-mode compressed) has no such gap and stays resident."""
-    total = sum(elements.values()) or 1.0
-    share = {t: elements[t] / total for t in elements}
-    if stream:
-        g.offloaded = max(0, round(12 * shard * (share["dynamic"] + share["stable"])
-                                   - stream_window_bytes(units, dp)))
-    elif not stable_every_step:
-        g.offloaded_between_updates = round(12 * shard * share["stable"])
-    if residuals and g.error_feedback:
-        # Backward reads residuals lookahead (2) ahead: three buckets' worth resident.
-        g.offloaded += max(0, g.error_feedback - RESIDUALS_RESIDENT * 4 * max(units))
-
-
-RESIDUALS_RESIDENT = 3
-"""Error-feedback residuals resident at backward's peak with --grpo-offload-residuals: the
-one being read and the two read ahead (megatron_grpo/offload/residuals.py, lookahead 2)."""
-
-
-def stream_window_bytes(units: List[int], dp: int) -> float:
-    """State two units' shards keep resident while the optimizer step streams."""
-    return 2 * 12 * max(units) / dp
+    return sum(w[t] * (4 * per_anchor * (n // intra) + (r if t in compressing else 0))
+               for n, w, r in zip(units, weights, residuals) for t in _local_tiers(grpo))
 
 
 def plan(model: ModelSpec, cluster: ClusterSpec, grpo: GRPOConfig,
@@ -485,22 +512,50 @@ def plan(model: ModelSpec, cluster: ClusterSpec, grpo: GRPOConfig,
         accum = elements["stable"] if grpo.stable_mode == "delayed" else 0.0
         compressing = ["dynamic"] + (["core"] if core_compressor else []) + \
             (["stable"] if stable_compressor or (grpo.stable_mode == "local" and inst > 1) else [])
-        if inst > 1:
-            ef, outer = _instance_state(units, share_tiers, grpo, dp, inst, compressing)
-        else:
-            ef, outer = (sum(elements[t] for t in compressing) if dp > 1 else 0.0), 0.0
+        # Residuals: one instance: every element of the compressed units; several: only the
+        # inter-instance stage compresses, per element of this rank's shard padded to one row
+        # per instance (comm/hierarchical.py), and the periodic tiers' live in the outer state.
+        ef_tiers = set() if dp <= 1 else \
+            {t for t in compressing if inst == 1 or t not in _local_tiers(grpo)}
+        weights = ([{t: float(t == x) for t in TIERS} for x in share_tiers] if share_tiers else
+                   [{"core": grpo.core_share, "dynamic": grpo.dynamic_share,
+                     "stable": grpo.stable_share}] * len(units))
+        rows = [n if inst == 1 else -(-(n // intra) // inst) * inst for n in units]
+        by_dtype = {d: [residual_bytes(n, d, grpo.compress_chunk) for n in rows] for d in RESIDUAL_BYTES}
+        by_dtype = {d: (r, sum(w[t] * x for w, x in zip(weights, r) for t in ef_tiers))
+                    for d, r in by_dtype.items()}
+        residuals, ef = by_dtype[grpo.residual_dtype]
+        outer = _outer_bytes(units, weights, residuals, grpo, intra, compressing) if inst > 1 else 0.0
         g = _memory(model, cluster, units, sum(numels), act, separate_fp32_master=True,
-                    ef_elements=ef, accum_elements=accum, outer_elements=outer)
+                    ef_bytes=ef, accum_elements=accum, outer_bytes=outer)
+        g.residual_dtype = grpo.residual_dtype
+        g.residuals_by_dtype = {d: round(x) for d, (_, x) in by_dtype.items()}
         if offload is not None and offload.target != "none":
-            _place(g, units, elements, sum(numels) / intra, intra, offload.stream,
+            place(g, units, elements, sum(numels) / intra, intra, offload.stream,
                    offload.residuals and grpo.compressor != "powersgd",
-                   stable_every_step=stable_compressor is not None)
+                   stable_every_step=stable_compressor is not None, unit_residual=max(residuals))
+        # Gradients with --grpo-release-grads, and the new residuals staged at the syncs.
+        late = late_bytes(pp, st, model.rope, numels, grpo.bucket_elements, intra, len(units))
+        unit_of = param_units(numels, grpo.bucket_elements, intra)
+        order = backward_order(model.num_layers // pp, st == 0, st == pp - 1,
+                               st == 0 and not model.rope, not model.rmsnorm, model.bias_linear)
+        parts, freed, events = backward_freed_bytes(model, cluster, st), 0.0, []
+        for i, freed_here in order:  # one micro-batch's backward frees its own activations
+            freed += sum(parts.get(part, 0) for part in freed_here)
+            events.append((unit_of[i], freed))
+        release_memory(g, grpo, units, weights, residuals, late, ef_tiers, intra,
+                       model.micro_batches(dp, pp), model.overlap_grad_reduce, events,
+                       min(act, last_backward_activation_bytes(model, cluster, st)))
         return baseline, g
 
     if stage is not None:
         mem_entry = traffic_entry = per_stage[stage]
+        baseline_peak = None
     else:
-        mem_entry = max(per_stage, key=lambda e: stage_memory(e, None)[1].total)
+        memories = [stage_memory(e, None) for e in per_stage]
+        mem_entry = per_stage[max(range(pp), key=lambda k: memories[k][1].total)]
+        # The baseline's own busiest stage, which GRPO's need not be (--largest-model).
+        baseline_peak = max(b.total for b, _ in memories)
         traffic_entry = max(per_stage, key=lambda e: sum(baseline_step_bytes(e[2], dp, 4, pb)))
     units = traffic_entry[3]
     tier_list = parse_tiers(tiers, len(units)) if tiers is not None else []
@@ -529,7 +584,8 @@ def plan(model: ModelSpec, cluster: ClusterSpec, grpo: GRPOConfig,
                 baseline_grad_bytes=grad_bytes, baseline_param_bytes=param_bytes, units=list(units),
                 tiers=tier_list, tier_elements=_tier_elements(units, tier_list or None, grpo),
                 grpo_traffic=TierTraffic(core, dynamic, stable, stable_interval),
-                grpo_warmup_bytes=sum(exact))
+                grpo_warmup_bytes=sum(exact),
+                baseline_peak=baseline_memory.total if baseline_peak is None else baseline_peak)
 
 
 def _tier_elements(units: List[int], tiers: Optional[List[str]],

@@ -56,8 +56,8 @@ def rank_peak_bytes(model: ModelSpec, cluster: ClusterSpec, grpo, which: str,
         raise ValueError(f"which must be one of {', '.join(WHICH)}, got {which!r}")
     p = plan(model, cluster, grpo, bucket_size=bucket_size,
              offload=offload if which == "grpo" else None)
-    memory = p.baseline_memory if which == "baseline" else p.grpo_memory
-    return reserve_bytes + memory.total
+    # Each side's own busiest stage (with pp > 1 GRPO's and the baseline's may differ).
+    return reserve_bytes + (p.baseline_peak if which == "baseline" else p.grpo_memory.total)
 
 
 def largest_model(model: ModelSpec, cluster: ClusterSpec, grpo, budget_bytes: int,

@@ -32,19 +32,42 @@ def format_plan(p, name: str = "") -> str:
              f"TP {c.tp} x PP {c.pp} x DP {c.dp}; DP ring over {ring} at {c.dp_link_gbps:g} Gb/s per GPU",
              f"{'memory per GPU, ' + unit + ' (pipeline stage ' + str(p.memory_stage) + '):':<42}"
              f"{'baseline':>10}{'GRPO':>10}"]
-    rows = [("parameters", "params"), ("gradients (fp32)", "grads"),
-            ("fp32 master params", "master_params"), ("Adam moments", "optimizer_moments"),
-            ("activations", "activations"),
-            ("error feedback", "error_feedback"), ("delayed accumulators", "delayed_accumulators"),
-            ("outer state (periodic tiers)", "outer_state"),
-            ("offloaded at the peak (--grpo-offload)", "offloaded"),
-            ("  also away between stable updates", "offloaded_between_updates"),
-            ("model state", "model_state"), ("total", "total")]
+    g = p.grpo_memory
+    release = p.grpo.release_grads
+    rows = [("parameters", "params"), ("gradients (fp32)", "grads")]
+    if release:  # the gradient bytes at the steady peak's moment, by what holds them
+        rows += [("  full units (filling, in flight)", "grads_full"),
+                 ("  own shards, to the step's end", "grad_shards"),
+                 ("  late copies (read after the sync)", "grad_late_copies"),
+                 ("  delayed stable, to the step's end", "grads_held")]
+    rows += [("fp32 master params", "master_params"), ("Adam moments", "optimizer_moments"),
+             ("activations", "activations")]
+    rows += [("  freed by backward at the peak", "activations_freed"),
+             (f"error feedback ({g.residual_dtype}, committed)", "error_feedback"),
+             ("  new residuals staged at the syncs", "error_feedback_staged")]
+    rows += [("delayed accumulators", "delayed_accumulators"),
+             ("outer state (periodic tiers)", "outer_state"),
+             ("offloaded at the peak (--grpo-offload)", "offloaded"),
+             ("  also away between stable updates", "offloaded_between_updates"),
+             ("model state", "model_state")]
+    rows += [("steady peak", "steady"), ("first iteration peak", "first_iteration")] if release else []
+    rows += [("total", "total")]
     for label, attr in rows:
-        lines.append(f"  {label:<40}{fmt(getattr(p.baseline_memory, attr)):>10}"
-                     f"{fmt(getattr(p.grpo_memory, attr)):>10}")
+        # No first-iteration figure where every gradient stays resident: it is below the steady.
+        cells = [fmt(getattr(x, attr)) if attr != "first_iteration" or x.first_iteration else "-"
+                 for x in (p.baseline_memory, g)]
+        lines.append(f"  {label:<40}{cells[0]:>10}{cells[1]:>10}")
     fits = ["yes" if p.fits(x) else "NO" for x in (p.baseline_memory, p.grpo_memory)]
     lines.append(f"  {'fits in ' + format(c.gpu_memory_gb, 'g') + ' GB':<40}{fits[0]:>10}{fits[1]:>10}")
+    if release:
+        window = (f"{p.grpo.grad_units_in_flight} units in flight" if m.overlap_grad_reduce
+                  else "syncs after backward")
+        lines.append(f"  GRPO gradient release: {window}, {m.micro_batches(c.dp, c.pp)} micro-batches "
+                     f"per step{' (all units full while they accumulate)' if m.micro_batches(c.dp, c.pp) > 1 else ''}"
+                     f"; GRPO's peak: {g.peak_phase}")
+    if g.residuals_by_dtype:
+        lines.append("  residuals, one copy, by --grpo-residual-dtype: " + ", ".join(
+            f"{d} {fmt(x)}" for d, x in g.residuals_by_dtype.items()))
     t = p.grpo_traffic
     total = sum(p.tier_elements.values()) or 1.0
     shares = ", ".join(f"{k} {v / total:.1%}" for k, v in p.tier_elements.items())

@@ -52,7 +52,9 @@ def model_spec(cfg, vocab: int, attention: str):
                      rmsnorm=m.normalization == "RMSNorm", rope=m.position_embedding_type == "rope",
                      bias_linear=not m.disable_bias_linear,
                      recompute_granularity=m.recompute_granularity,
-                     recompute_method=m.recompute_method, recompute_num_layers=m.recompute_num_layers)
+                     recompute_method=m.recompute_method, recompute_num_layers=m.recompute_num_layers,
+                     global_batch_size=t.global_batch_size,
+                     overlap_grad_reduce=cfg.parallel.overlap_grad_reduce)
 
 
 @dataclass

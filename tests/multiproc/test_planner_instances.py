@@ -79,7 +79,9 @@ def test_instance_memory_predicted_from_the_run_tiers(probe):
     for rank in ranks:
         got = rank["state"]
         assert got["params_outside_buffers"] == 0
-        assert (got["params"], got["grads"]) == (g.params, g.grads)
+        # Gradient release (the default): nothing left after the step; during one, the
+        # storage of the units in flight (one micro-batch) and the shards of one instance.
+        assert (got["params"], got["grads"]) == (g.params, 0)
         for key in ("master_params", "optimizer_moments"):  # a rank's shard vs the average
             assert abs(got[key] - getattr(g, key)) <= 0.01 * getattr(g, key) + 1, key
         # Per-step residuals: the core's shard rows only (dynamic and stable train locally).
@@ -88,6 +90,13 @@ def test_instance_memory_predicted_from_the_run_tiers(probe):
         for k in (10, 11):  # anchors, momentum and delta residuals of both periodic tiers
             assert steps[k]["tiers"] == tiers
             assert steps[k]["outer_bytes"] == g.outer_state > 0, k
+            kind = "update" if steps[k]["stable_update"] else "between"
+            assert steps[k]["grad_peak"] == g.grad_peaks[kind] > 0, k
+            assert steps[k]["ef_peak"] == 2 * g.error_feedback, k  # committed and staged
+        # The step's peak once the outer state has all its pieces (its delta residuals are
+        # made at 10's sync, after that step's peak).
+        kind = "update" if steps[11]["stable_update"] else "between"
+        assert abs(steps[11]["peak"] - g.step_peaks[kind]) <= 0.05 * steps[11]["peak"]
         # The exact sync of the last iteration delivered and dropped the delta residuals.
         assert 0 < got["outer_state"] == steps[12]["outer_bytes"] < g.outer_state
 

@@ -1,11 +1,14 @@
 """The planner's predictions against real 2-rank gloo runs of megatron-core (SMALL model).
 
-Ten runs of 12 iterations (three only with ``-m slow``) through tests/multiproc/planner_probe.py (the real training loop,
-plus measurement of the actual tensors): the fp32 baseline, GRPO in fp32, GRPO in bf16, GRPO
-with an int8 core tier, and Llama-style layers (GQA, SwiGLU, RMSNorm, RoPE, no biases) in fp32
-and bf16, with MHA in bf16 and with full recompute; full (block) and selective recompute on
-the GPT layers.
-GRPO_SMALL tiers the units at iteration 9; iteration 12 is a stable update step.
+Thirteen runs of 12 iterations (three only with ``-m slow``) through
+tests/multiproc/planner_probe.py (the real training loop, plus measurement of the actual
+tensors): the fp32 baseline, GRPO in fp32, GRPO in bf16, GRPO with an int8 core tier, and
+Llama-style layers (GQA, SwiGLU, RMSNorm, RoPE, no biases) in fp32 and bf16, with MHA in bf16
+and with full recompute; full (block) and selective recompute on the GPT layers; and gradient
+release (issue 28) with one micro-batch per step (the in-flight window applies: 2 units, and 1
+with int8 residuals and delayed stable units) and without release (bf16 residuals).
+GRPO_SMALL tiers the units at iteration 9; iteration 12 is a stable update step; its two
+micro-batches per step keep every unit's gradient full until the last one's sync.
 """
 
 import importlib.util
@@ -37,7 +40,12 @@ RUNS = {"base": [], "grpo": GRPO_SMALL, "grpo_bf16": [*GRPO_SMALL, "--bf16"],
                             "--recompute-method", "uniform", "--recompute-num-layers", "1"],
         "block": [*GRPO_SMALL, "--recompute-granularity", "full", "--recompute-method", "block",
                   "--recompute-num-layers", "1"],
-        "selective": [*GRPO_SMALL, "--recompute-granularity", "selective"]}
+        "selective": [*GRPO_SMALL, "--recompute-granularity", "selective"],
+        "release_1mb": [*GRPO_SMALL, "--global-batch-size", "4"],
+        "release_w1_int8": [*GRPO_SMALL, "--global-batch-size", "4", "--grpo-grad-units-in-flight", "1",
+                            "--grpo-residual-dtype", "int8", "--grpo-stable-mode", "delayed"],
+        "no_release_bf16": [*GRPO_SMALL, "--global-batch-size", "4", "--no-grpo-release-grads",
+                            "--grpo-residual-dtype", "bf16"]}
 
 
 def _probe(tmp, name, data, args):
@@ -122,21 +130,23 @@ def test_model_state_memory_within_10_percent(runs, name):
     tiers = metrics[-1].get("grpo_tier_map")
     p = _plan(RUNS[name], tiers=tiers)
     predicted = p.grpo_memory if tiers else p.baseline_memory
+    state = ("params", "master_params", "optimizer_moments", "error_feedback", "delayed_accumulators")
     for rank in ranks:
-        got = rank["state"]
+        got = rank["state"]  # after the last step
         assert got["params_outside_buffers"] == 0
         # Buffers and residuals have exact sizes; the optimizer shard of one rank differs from
         # the average (unpadded / dp) by the padding inside its half of each bucket.
         assert got["params"] == predicted.params
-        assert got["grads"] == predicted.grads
-        assert got["error_feedback"] == predicted.error_feedback
+        # megatron's buffer stays; released gradient storage is empty after a step.
+        assert got["grads"] == (0 if tiers and p.grpo.release_grads else predicted.grads)
+        assert got["error_feedback"] == predicted.error_feedback  # committed: none staged now
         if tiers:
             assert got["error_feedback"] == metrics[-1]["grpo_ef_bytes"] > 0
         for key in ("master_params", "optimizer_moments"):
             assert abs(got[key] - getattr(predicted, key)) <= 0.01 * getattr(predicted, key) + 1, key
-        measured = sum(got[k] for k in ("params", "grads", "master_params", "optimizer_moments",
-                                        "error_feedback", "delayed_accumulators"))
-        assert abs(measured - predicted.model_state) <= 0.10 * measured, (measured, predicted.model_state)
+        measured = sum(got[k] for k in state)
+        planned = sum(getattr(predicted, k) for k in state)
+        assert abs(measured - planned) <= 0.10 * measured, (measured, planned)
         for step in rank["steps"]:  # residuals exist exactly for the compressed units, every step
             if set(step["tiers"]) == {"c"}:  # the exact warm-up (the planner plans tiered steps)
                 assert step["ef_bytes"] == 0, step["iteration"]
@@ -164,3 +174,46 @@ def test_activation_memory_within_1_percent(runs, name):
         # The issue asks for 10 %; the formula is held to 1 % so that a missing term (e.g. the
         # fp32 softmax copy, 9 % of this model's bf16 activations) cannot hide in the margin.
         assert abs(measured - predicted) <= 0.01 * measured, (measured, predicted)
+
+
+@pytest.mark.parametrize("name", ["grpo", "grpo_bf16", "grpo_core_int8", "llama", "llama_bf16", "release_1mb",
+                                  "release_w1_int8", "no_release_bf16"])
+def test_step_peak_within_5_percent_gradient_and_residual_bytes_exact(runs, name):
+    """Issue 28: per step, against the planner for that step's tiers and kind (the first
+    iteration, a stable update step or one between updates), the most gradient bytes (the
+    storage's own peak, also the grad_bytes_peak metric) and the most residual bytes
+    (committed + staged) exactly, and the most bytes of everything the planner counts at one
+    moment (sampled at every allocation and release of gradient storage, the end of every
+    forward and the step's end; activations as autograd holds them then) within 5 %."""
+    ranks, metrics = runs[name]
+    release = "--no-grpo-release-grads" not in RUNS[name]
+    checked = {"first": 0, "warm-up": 0, "tiered": 0}
+    for rank in ranks:
+        previous = None
+        for step in rank["steps"]:
+            it, tiers = step["iteration"], step["tiers"]
+            kind = "first" if it == 1 else "update" if step["stable_update"] and "s" in tiers else "between"
+            # GRPO's warm-up is exact whatever --grpo-core-compressor says.
+            exact = ["--grpo-core-compressor", "none"] if set(tiers) == {"c"} else []
+            g = _plan([*RUNS[name], *exact], tiers=tiers).grpo_memory
+            if release:
+                assert step["grad_peak"] == g.grad_peaks[kind], (it, kind)
+                if rank["rank"] == 0:
+                    assert metrics[it - 1]["grad_bytes_peak"] == step["grad_peak"], it
+            else:
+                assert step["grad_peak"] is None and g.grad_peaks[kind] == g.grads
+            # Residuals: the committed ones of the previous step's tiers beside the new ones
+            # staged at this step's syncs (the same units once the tiers have settled).
+            if set(tiers) == {"c"}:
+                assert step["ef_peak"] == 0, it
+            elif previous == tiers:
+                assert step["ef_peak"] == 2 * g.error_feedback > 0, it
+            elif set(previous) == {"c"}:  # the first tiered step: nothing committed yet
+                assert step["ef_peak"] == g.error_feedback > 0, it
+            steady = it == 1 or set(tiers) == {"c"} or previous == tiers
+            if steady:  # the planner plans settled steps, not the one after a re-tiering
+                assert abs(step["peak"] - g.step_peaks[kind]) <= 0.05 * step["peak"], \
+                    (it, kind, step["peak"], g.step_peaks[kind], step["at_peak"])
+                checked["first" if it == 1 else "warm-up" if set(tiers) == {"c"} else "tiered"] += 1
+            previous = tiers
+    assert checked == {"first": 2, "warm-up": 14, "tiered": 6}, checked

@@ -66,3 +66,25 @@ def test_a_budget_needs_somewhere_to_move_state():
                                           r"with --grpo-memory-budget-gb"):
         parse_args([*SMALL_MODEL, *GRPO_SMALL, "--data-path", "x", "--grpo-memory-budget-gb", "2"],
                    world_size=2)
+
+
+def test_the_levels_follow_gradient_release_and_the_residual_dtype():
+    """Issue 28: the planned peaks are the planner's (the larger of the first iteration and the
+    steady step), so releasing gradients and storing residuals in int8 lower every level."""
+    base = 300_000_000
+
+    def peaks(*extra):
+        _, choice = mb.choose(_cfg(1000, "--global-batch-size", "4", *extra), 258, "unfused", 2, base)
+        return dict(choice.predicted)
+
+    cfg = _cfg(1000, "--global-batch-size", "4", "--no-overlap-grad-reduce")
+    spec = mb.model_spec(cfg, 258, "unfused")
+    assert (spec.global_batch_size, spec.overlap_grad_reduce) == (4, False)
+    on, off, int8 = peaks(), peaks("--no-grpo-release-grads"), peaks("--grpo-residual-dtype", "int8")
+    for level in on:
+        assert on[level] < off[level] and int8[level] < on[level], level
+    # Each is the planner's total for that level's placement, first iteration included.
+    cfg = _cfg(1000, "--global-batch-size", "4")
+    memory = plan(mb.model_spec(cfg, 258, "unfused"), ClusterSpec(nodes=1, gpus_per_node=2), cfg.grpo,
+                  bucket_size=cfg.parallel.ddp_bucket_size).grpo_memory
+    assert on["resident"] == base + memory.total == base + max(memory.steady, memory.first_iteration)

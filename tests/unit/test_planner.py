@@ -4,6 +4,7 @@ Multi-process runs that compare the planner with measured bytes and tensors:
 tests/multiproc/test_planner_measured.py.
 """
 
+import dataclasses
 import importlib.util
 import os
 
@@ -222,3 +223,185 @@ def test_offload_moves_the_streamed_state_less_two_units_or_the_stable_state_bet
     assert off.grpo_memory.total == base.grpo_memory.total
     assert on.baseline_memory.total == base.baseline_memory.total  # the baseline has no tier
     assert "offloaded at the peak (--grpo-offload)" in format_plan(on)
+
+
+# ------------------------------------------------------------ gradient release (issue 28)
+from megatron_grpo.planner_grads import GradMoment, UnitGrads, grad_timeline, residual_bytes  # noqa: E402
+
+# Four units reached in this order, 100..400 elements, 2 ranks (fp32 shard = 2 bytes per
+# element), every one synced and compressed with an fp32 residual (4 bytes per element).
+HAND = [UnitGrads(n, 4 * n, 2 * n, 0, 4 * n, 1.0, 0.0, 1.0) for n in (100, 200, 300, 400)]
+
+
+def _moment(m: GradMoment):
+    return (m.total, m.full, m.shards, m.staged, m.freed)
+
+
+def test_release_timeline_by_hand():
+    # Window 1: each sync stages its residual, then waits for the previous one. The peak comes
+    # when unit 3 has staged: units 2 and 3 full (1200 + 1600), shards of 0-1 (200 + 400),
+    # every residual staged (4000).
+    best, grads = grad_timeline(HAND, 0, 1, prefilled=False)
+    assert (_moment(best), grads) == ((7400, 2800, 600, 4000, 0), 3400)
+    # Window 2: three units full at once (800 + 1200 + 1600), shards of unit 0 only.
+    best, grads = grad_timeline(HAND, 0, 2, prefilled=False)
+    assert (_moment(best), grads) == ((7800, 3600, 200, 4000, 0), 3800)
+    # No overlap (or megatron's first batch): all full at the end of backward (4000), then each
+    # sync stages before it releases: the last one's stage is the peak.
+    best, grads = grad_timeline(HAND, 0, None, prefilled=False)
+    assert (_moment(best), grads) == ((6800, 1600, 1200, 4000, 0), 4000)
+    # Accumulated micro-batches: every unit full from the start.
+    best, grads = grad_timeline(HAND, 0, 2, prefilled=True)
+    assert (_moment(best), grads) == ((7800, 3600, 200, 4000, 0), 4000)
+    # With pipeline parallelism the end of forward holds several micro-batches (3000 bytes),
+    # the last backward, where the syncs happen, one (1000): the busier moment wins.
+    best, _ = grad_timeline(HAND, 3000, 2, prefilled=True, last_activations=1000)
+    assert _moment(best) == (7800, 3600, 200, 4000, 3000)
+    best, _ = grad_timeline(HAND, 5000, 2, prefilled=True, last_activations=1000)
+    assert _moment(best) == (9000, 4000, 0, 0, 0)
+    # megatron's one buffer: 4000 all the time, residuals staged on top.
+    best, grads = grad_timeline(HAND, 0, float("inf"), prefilled=True, release=False)
+    assert (_moment(best), grads) == ((8000, 4000, 0, 4000, 0), 4000)
+
+
+def test_release_timeline_follows_parameters_and_frees_activations():
+    # Unit 1's first gradient comes before unit 0's last (as linear_proj's bias does), and 500
+    # bytes of activations go with unit 1's last parameter.
+    events = [(0, 0.0), (1, 0.0), (0, 0.0), (1, 500.0), (2, 500.0), (3, 500.0)]
+    best, grads = grad_timeline(HAND, 500, 1, prefilled=False, events=events)
+    assert (_moment(best), grads) == ((7400, 2800, 600, 4000, 500), 3400)
+    # What is not freed by then counts in full: with 10 kB of activations, 9.5 kB more.
+    best, _ = grad_timeline(HAND, 10_000, 1, prefilled=False, events=events)
+    assert _moment(best) == (16_900, 2800, 600, 4000, 500)
+    # A parameter read after the sync keeps an own copy from its unit's release to the end:
+    # 50 bytes of unit 2's, in the moment unit 3 has staged (window 1: unit 2 released).
+    late = [dataclasses.replace(u, late=50 * (i == 2)) for i, u in enumerate(HAND)]
+    best, grads = grad_timeline(late, 0, 1, prefilled=False)
+    assert (best.total, best.late, grads) == (7400, 0, 3400)  # the peak came first
+    best, grads = grad_timeline(late, 0, None, prefilled=False)
+    assert (_moment(best), best.late, grads) == ((6850, 1600, 1200, 4000, 0), 50, 4000)
+
+
+def test_backward_order_is_the_measured_one():
+    from megatron_grpo.planner_grads import backward_order
+
+    names = ["word", "pos", "ln1.w", "ln1.b", "proj.w", "proj.b", "qkv.w", "qkv.b", "ln2.w", "ln2.b",
+             "fc1.w", "fc1.b", "fc2.w", "fc2.b", "fln.w", "fln.b", "out.w"]
+    # As the gradient hooks of a GPT-2-style layer fire on megatron's local spec (planner_probe).
+    order = backward_order(1, True, True, True, True, True)
+    assert [names[i] for i, _ in order] == [
+        "out.w", "fln.w", "fln.b", "fc2.b", "fc2.w", "fc1.b", "fc1.w", "ln2.w", "ln2.b", "proj.b",
+        "proj.w", "qkv.w", "qkv.b", "ln1.w", "ln1.b", "pos", "word"]
+    assert [p for _, parts in order for p in parts] == ["head", "fc2", "act", "fc1", "ln2", "proj",
+                                                        "attention", "ln1", "embedding"]
+    llama = backward_order(1, True, True, False, False, False)  # word, ln1, proj, qkv, ln2, fc1, fc2, fln, out
+    assert [i for i, _ in llama] == [8, 7, 6, 5, 4, 2, 3, 1, 0]
+    # Delayed stable units between updates stay full and stage nothing; frozen ones hold nothing.
+    held = [UnitGrads(n, 4 * n, 2 * n, 0, 4 * n, *roles) for n, roles in
+            zip((100, 200, 300, 400), [(1, 0, 1), (0, 1, 0), (0, 0, 0), (1, 0, 1)])]
+    best, grads = grad_timeline(held, 0, 1, prefilled=False)
+    # When unit 3 has staged, before unit 0's sync is waited for: units 0 and 3 full (400 +
+    # 1600), unit 1 held (800), the residuals of units 0 and 3 (400 + 1600).
+    assert (_moment(best), best.held, grads) == ((4800, 2000, 0, 2000, 0), 800, 2800)
+
+
+def test_residual_bytes_by_dtype():
+    assert [residual_bytes(1000, d, 256) for d in ("fp32", "bf16", "int8")] == [4000, 2000, 4 * 260]
+    assert residual_bytes(256, "int8", 256) == 260 and residual_bytes(257, "int8", 64) == 5 * 68
+
+
+RUN_TIERS = "dcdsddscd"  # what the 2-rank runs of tests/multiproc/test_planner_measured.py tier
+
+
+def _release_plan(**grpo):
+    cfg = dict(enabled=True, bucket_mb=0.04, warmup_iters=6, retier_interval=8, stable_interval=4,
+               **{**THREE_TIERS, **grpo})
+    # Tiny activations (sequence 4, one sample), so that the gradient window decides the peak.
+    m = ModelSpec(**{**SMALL, "seq_length": 4, "micro_batch_size": 1, "max_position": 64, "bf16": False})
+    return plan(m, TWO_RANKS, GRPOConfig(**cfg), bucket_size=20000, tiers=RUN_TIERS)
+
+
+def test_release_plan_by_hand_frozen_and_delayed_windows_and_dtypes():
+    units = [36864, 37248, 37248, 28288, 46592, 37248, 28288, 15744, 36864]
+    dyn = [n for n, t in zip(units, RUN_TIERS) if t == "d"]
+    # Frozen, window 2, between updates: when the word embedding's unit (8) is allocated,
+    # units 5 and 7 are in flight and 8 is filling; 0, 1, 2, 4 have kept their shards; the
+    # stable units 3 and 6 hold nothing (measured: tests/multiproc/test_planner_measured.py).
+    frozen = _release_plan(stable_mode="frozen").grpo_memory
+    assert frozen.grad_peaks["between"] == 4 * (37248 + 15744 + 36864) + 2 * (36864 + 37248 + 37248 + 46592) \
+        == 675328
+    # On an update step the stable units sync too: a unit more in flight at that moment.
+    assert frozen.grad_peaks["update"] == 790784
+    # Delayed, window 1: units 7 and 8 full, the stable ones held to the step's end.
+    delayed = _release_plan(stable_mode="delayed", grad_units_in_flight=1).grpo_memory
+    assert delayed.grad_peaks["between"] == 4 * (15744 + 36864) + 2 * (36864 + 37248 + 37248 + 46592 + 37248) \
+        + 4 * (28288 + 28288) == 827136
+    assert delayed.grad_peaks["update"] == 713984
+    # The first iteration (megatron's first batch): every unit full at the end of backward.
+    assert frozen.grad_peaks["first"] == delayed.grad_peaks["first"] == 4 * sum(units) == 1217536
+    # Residuals of the dynamic units, committed, and the same again staged by the step's end.
+    for dtype, expected in (("fp32", 4 * sum(dyn)), ("bf16", 2 * sum(dyn)),
+                            ("int8", 260 * sum(-(-n // 256) for n in dyn))):
+        g = _release_plan(stable_mode="frozen", residual_dtype=dtype).grpo_memory
+        assert (g.residual_dtype, g.error_feedback) == (dtype, expected)
+        assert g.residuals_by_dtype[dtype] == expected
+    assert (4 * sum(dyn), 260 * sum(-(-n // 256) for n in dyn)) == (779264, 198120)
+
+
+def test_release_off_keeps_the_buffer_and_the_baseline_is_unchanged():
+    on, off = _release_plan(stable_mode="frozen"), _release_plan(stable_mode="frozen", release_grads=False)
+    g = off.grpo_memory
+    assert g.grads == g.grad_peaks["between"] == 4 * 304384 and g.grads_full == g.grad_shards == 0
+    assert g.first_iteration == 0 and g.total == g.steady == g.step_peaks["update"]
+    assert g.total == g.model_state + g.activations - g.activations_freed
+    assert on.grpo_memory.total < g.total
+    assert on.baseline_memory == off.baseline_memory
+    b = on.baseline_memory
+    assert (b.grads, b.error_feedback_staged, b.first_iteration, b.activations_freed) == (4 * 304384, 0, 0, 0)
+    assert b.total == b.model_state + b.activations
+
+
+def test_release_peak_is_the_larger_of_the_first_iteration_and_the_steady_step():
+    g = _release_plan(stable_mode="frozen").grpo_memory
+    assert g.total == max(g.steady, g.first_iteration) == max(g.step_peaks.values())
+    # The first iteration: parameters, masters and all gradients, nothing else.
+    assert g.first_iteration - g.params - g.master_params - 4 * 304384 < g.activations
+    bf16 = plan(ModelSpec(**SMALL), TWO_RANKS,
+                GRPOConfig(enabled=True, bucket_mb=0.04, residual_dtype="int8", **THREE_TIERS),
+                bucket_size=20000)
+    assert bf16.grpo_memory.peak_phase in ("steady", "first iteration")
+    # Two micro-batches per step: every unit full while they accumulate, in every step.
+    acc = plan(ModelSpec(**SMALL, global_batch_size=8), TWO_RANKS, GRPOConfig(enabled=True, bucket_mb=0.04,
+               **THREE_TIERS), bucket_size=20000, tiers=RUN_TIERS).grpo_memory
+    assert acc.grad_peaks["update"] == 4 * 304384
+    with pytest.raises(ValueError, match="ModelSpec.global_batch_size"):
+        plan(ModelSpec(**SMALL, global_batch_size=6), TWO_RANKS, GRPOConfig())
+
+
+def test_late_copies_with_pipeline_parallelism():
+    from megatron_grpo.planner_grads import late_bytes
+
+    from megatron_grpo.planner_grads import param_units
+
+    # PP 2: stage 0's position embedding (the second parameter) is read after the sync. The
+    # word embedding (36864 elements) fills the last unit alone; the table closes the one before.
+    m = ModelSpec(num_layers=2, hidden=96, heads=4, vocab=258, seq_length=64, bf16=False)
+    c = ClusterSpec(nodes=1, gpus_per_node=4, pp=2)
+    numels = stage_param_numels(m, c, 0)
+    units = ddp_bucket_numels(numels, 10485, 2)
+    assert units == [36992, 37248, 28288, 15744, 36864] and param_units(numels, 10485, 2)[:2] == [4, 3]
+    assert late_bytes(2, 0, False, numels, 10485, 2, len(units)) == [0, 0, 0, 4 * 64 * 96, 0]
+    assert late_bytes(2, 1, False, numels, 10485, 2, len(units)) == [0] * len(units)
+    assert late_bytes(1, 0, False, numels, 10485, 2, len(units)) == [0] * len(units)
+    assert late_bytes(2, 0, True, numels, 10485, 2, len(units)) == [0] * len(units)
+
+
+def test_plan_prints_the_release_breakdown():
+    text = format_plan(_release_plan(stable_mode="delayed"))
+    for row in ("full units (filling, in flight)", "own shards, to the step's end",
+                "new residuals staged at the syncs", "first iteration peak",
+                "GRPO gradient release: 2 units in flight, 1 micro-batches per step",
+                "residuals, one copy, by --grpo-residual-dtype: fp32 0.78, bf16 0.39, int8 0.20"):
+        assert row in text, row
+    off = format_plan(_release_plan(release_grads=False))
+    assert "own shards" not in off and "staged at the syncs" in off
