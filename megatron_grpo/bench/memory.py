@@ -144,7 +144,7 @@ def _planner_check(spec, records, summaries) -> list:
     no_res = plan(model, cluster, grpo, bucket_size=bucket, tiers=last["grpo_tier_map"],
                   offload=dataclasses.replace(offload, residuals=False)).grpo_memory
     predicted_away = no_res.offloaded + stream_window_bytes(p.units, cluster.dp)
-    measured_away = last["offload_bytes_dynamic_ssd"] + last["offload_bytes_stable_ssd"]
+    measured_away = last.get("offload_bytes_dynamic_ssd", 0) + last.get("offload_bytes_stable_ssd", 0)
     drop = None
     if summaries.get("grpo", {}).get("steady_peak_rss_mb") and \
             summaries["grpo-ssd"].get("steady_peak_rss_mb"):
