@@ -42,6 +42,8 @@ def contenders(out: str):
         Contender("baseline", [], "megatron-core, all state on the training device"),
         Contender("grpo", ["--grpo"], "GRPO defaults (int8 core, int4 dynamic with fp32 "
                   "error-feedback residuals), gradient memory per tier unit released after its sync"),
+        Contender("grpo-int8-residuals", ["--grpo", "--grpo-residual-dtype", "int8"],
+                  "GRPO defaults with int8 error-feedback residuals (a quarter of fp32's bytes)"),
         Contender("grpo-whole-buffer", ["--grpo", "--no-grpo-release-grads"],
                   "GRPO defaults on megatron's one gradient buffer (before issue 28)"),
         Contender("grpo-ssd", ["--grpo", "--grpo-offload", "ssd", "--grpo-offload-dir", offload_dir(out)],
