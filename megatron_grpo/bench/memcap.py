@@ -56,9 +56,9 @@ def offload_dir(out: str) -> str:
 def contenders(out: str) -> List[Contender]:
     return [
         Contender("baseline", [], "megatron-core, every byte of state in host memory"),
-        Contender("grpo", ["--grpo"], "GRPO defaults, no memory tier"),
-        Contender("grpo-int8-residuals", ["--grpo", "--grpo-residual-dtype", "int8"],
-                  "GRPO defaults with int8 error-feedback residuals, no memory tier"),
+        Contender("grpo", ["--grpo"], "GRPO defaults (int8 error-feedback residuals), no memory tier"),
+        Contender("grpo-fp32-residuals", ["--grpo", "--grpo-residual-dtype", "fp32"],
+                  "GRPO defaults with fp32 error-feedback residuals, no memory tier"),
         Contender("grpo-ssd", ["--grpo", "--grpo-offload", "ssd", "--grpo-offload-dir",
                                offload_dir(out)],
                   "GRPO defaults with the memory tier: the dynamic and stable tiers' masters, "

@@ -40,12 +40,12 @@ def contenders(out: str):
     cuda = _cuda()
     return [
         Contender("baseline", [], "megatron-core, all state on the training device"),
-        Contender("grpo", ["--grpo"], "GRPO defaults (int8 core, int4 dynamic with fp32 "
-                  "error-feedback residuals), gradient memory per tier unit released after its sync"),
-        Contender("grpo-int8-residuals", ["--grpo", "--grpo-residual-dtype", "int8"],
-                  "GRPO defaults with int8 error-feedback residuals (a quarter of fp32's bytes)"),
-        Contender("grpo-whole-buffer", ["--grpo", "--no-grpo-release-grads"],
-                  "GRPO defaults on megatron's one gradient buffer (before issue 28)"),
+        Contender("grpo", ["--grpo"], "GRPO defaults (int8 core, int4 dynamic, int8 error-feedback "
+                  "residuals), gradient memory per tier unit released after its sync"),
+        Contender("grpo-fp32-residuals", ["--grpo", "--grpo-residual-dtype", "fp32"],
+                  "GRPO defaults with fp32 error-feedback residuals (four times int8's bytes)"),
+        Contender("grpo-whole-buffer", ["--grpo", "--grpo-residual-dtype", "fp32", "--no-grpo-release-grads"],
+                  "GRPO with fp32 residuals on megatron's one gradient buffer (before issue 28)"),
         Contender("grpo-ssd", ["--grpo", "--grpo-offload", "ssd", "--grpo-offload-dir", offload_dir(out)],
                   "GRPO defaults with the memory tier: dynamic state and residuals on SSD, "
                   "streamed through the optimizer step"),

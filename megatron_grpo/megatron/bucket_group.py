@@ -424,8 +424,8 @@ def install(ddp_chunks: list, controller) -> None:
             if controller.powersgd is not None:
                 raise ValueError(f"rank {rank}: --grpo-compressor powersgd does not support "
                                  f"--num-distributed-optimizer-instances {instances}: use int4 or int8")
-    storage_of = {id(g): chunk.__dict__.get("grpo_grad_storage")
-                  for chunk in ddp_chunks for g in chunk.bucket_groups}
+    storage_of = {id(g): getattr(chunk, "__dict__", {}).get("grpo_grad_storage")
+                  for chunk in ddp_chunks for g in getattr(chunk, "bucket_groups", [])}
     for unit in controller.units:
         group = unit.group
         group.__class__ = GRPOBucketGroup

@@ -150,7 +150,8 @@ def _free_unit_grads(ctrl, unit: int, params) -> None:
     """With gradient release (megatron/grad_storage.py) the unit's gradient shards are spent
     once it is updated: free them now rather than at the step's end, so the streamed step
     holds the shards of the units still to come, not all of them."""
-    group = ctrl.units[unit].group
+    units = getattr(ctrl, "units", None)
+    group = units[unit].group if units is not None else None
     storage = getattr(group, "grpo_storage", None)
     if storage is None or any(ctrl.ef.references_grad((unit, i)) for i in range(len(group.buckets))):
         return

@@ -160,7 +160,9 @@ def test_phase_e_device_analysis_with_the_planner_on_recorded_shapes():
     ex = common.Expect(echo=False)
     text = phase_e.analyze(ex, type("Ctx", (), {"facts": {}})(), runs)
     assert ex.status() == "PASS", ex.failures
-    assert 1000 * 2**20 < ex.numbers["planned_grpo_bytes"] - ex.numbers["planned_base_bytes"] < 1300 * 2**20
+    # With gradients released per unit and int8 residuals (issue 28) the planner gives GRPO
+    # less than the baseline's peak: 15,087 vs 15,793 MiB for these shapes.
+    assert -800 * 2**20 < ex.numbers["planned_grpo_bytes"] - ex.numbers["planned_base_bytes"] < 0
     assert "GRPO" in text and "planned" in text
 
 

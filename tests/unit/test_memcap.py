@@ -44,9 +44,9 @@ def test_largest_model_is_the_boundary_of_the_budget(which, offload):
 def test_compact_residuals_and_the_memory_tier_fit_more_layers_and_a_reserve_costs_layers():
     kw = dict(reserve_bytes=int(0.5e9), bucket_size=4_000_000)
     base = largest_model(MODEL, CLUSTER, GRPO, int(1.8e9), "baseline", **kw).layers
-    grpo = largest_model(MODEL, CLUSTER, GRPO, int(1.8e9), "grpo", **kw).layers
-    int8 = largest_model(MODEL, CLUSTER, dataclasses.replace(GRPO, residual_dtype="int8"),
+    grpo = largest_model(MODEL, CLUSTER, dataclasses.replace(GRPO, residual_dtype="fp32"),
                          int(1.8e9), "grpo", **kw).layers
+    int8 = largest_model(MODEL, CLUSTER, GRPO, int(1.8e9), "grpo", **kw).layers  # the default
     ssd = largest_model(MODEL, CLUSTER, GRPO, int(1.8e9), "grpo", offload=SSD, **kw).layers
     # fp32 error-feedback residuals (two per unit during backward) cost layers, int8 ones a
     # quarter of that; the tier moves state out.
@@ -139,7 +139,7 @@ def test_memcap_suite_tabulates_the_boundaries_and_holds_the_planner_to_them(tmp
     from megatron_grpo.bench import memcap
     from megatron_grpo.bench.memcap import Probe
 
-    limits = {"baseline": 13, "grpo": 9, "grpo-ssd": 15}
+    limits = {"baseline": 13, "grpo": 13, "grpo-fp32-residuals": 9, "grpo-ssd": 15}
     calls = []
 
     def fake_probe(self, contender, layers):
@@ -156,7 +156,7 @@ def test_memcap_suite_tabulates_the_boundaries_and_holds_the_planner_to_them(tmp
     args.extra = []
     res = memcap.run(args, "python -m megatron_grpo.bench memcap")
     rows = {r[0]: r for r in res.rows}
-    assert [rows[n][1] for n in limits] == ["13", "9", "15"]
+    assert [rows[n][1] for n in limits] == ["13", "13", "9", "15"]
     for name, layers in limits.items():  # each size tried once; the boundary and one above it
         tried = [n for c, n in calls if c == name]
         assert len(tried) == len(set(tried)) and layers in tried and layers + 1 in tried

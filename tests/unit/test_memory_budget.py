@@ -80,11 +80,12 @@ def test_the_levels_follow_gradient_release_and_the_residual_dtype():
     cfg = _cfg(1000, "--global-batch-size", "4", "--no-overlap-grad-reduce")
     spec = mb.model_spec(cfg, 258, "unfused")
     assert (spec.global_batch_size, spec.overlap_grad_reduce) == (4, False)
-    on, off, int8 = peaks(), peaks("--no-grpo-release-grads"), peaks("--grpo-residual-dtype", "int8")
+    fp32 = ("--grpo-residual-dtype", "fp32")
+    on, off, int8 = peaks(*fp32), peaks(*fp32, "--no-grpo-release-grads"), peaks()  # int8: the default
     for level in on:
         assert on[level] < off[level] and int8[level] < on[level], level
     # Each is the planner's total for that level's placement, first iteration included.
     cfg = _cfg(1000, "--global-batch-size", "4")
     memory = plan(mb.model_spec(cfg, 258, "unfused"), ClusterSpec(nodes=1, gpus_per_node=2), cfg.grpo,
                   bucket_size=cfg.parallel.ddp_bucket_size).grpo_memory
-    assert on["resident"] == base + memory.total == base + max(memory.steady, memory.first_iteration)
+    assert int8["resident"] == base + memory.total == base + max(memory.steady, memory.first_iteration)

@@ -22,8 +22,9 @@ SMALL = dict(num_layers=2, hidden=96, heads=4, vocab=258, seq_length=64, micro_b
 # The three tiers and exact core that GRPO_SMALL pins (the defaults before issue 9's front).
 THREE_TIERS = dict(core_share=0.15, dynamic_share=0.65, stable_share=0.2, max_dynamic_share=0.7,
                    core_compressor="none")
+# fp32 residuals (the default before int8, issue 28): the hand checks below count 4 bytes each.
 SMALL_GRPO = GRPOConfig(enabled=True, bucket_mb=0.04, warmup_iters=6, retier_interval=8,
-                        stable_interval=4, gvr_interval=4, **THREE_TIERS)
+                        stable_interval=4, gvr_interval=4, residual_dtype="fp32", **THREE_TIERS)
 TWO_RANKS = ClusterSpec(nodes=1, gpus_per_node=2)
 
 
