@@ -191,11 +191,6 @@ class GRPOConfig:
 
     def apply_preset(self) -> None:
         """Set the fields --grpo-internode-preset names (before validate)."""
-        if isinstance(self.grad_units_in_flight, bool) or not isinstance(self.grad_units_in_flight, int) \
-                or self.grad_units_in_flight < 1:
-            fail("grad_units_in_flight", "an integer >= 1", self.grad_units_in_flight)
-        if self.residual_dtype not in RESIDUAL_DTYPES:
-            fail("residual_dtype", "one of " + ", ".join(RESIDUAL_DTYPES), self.residual_dtype)
         if self.internode_preset not in INTERNODE_PRESETS:
             raise GRPOConfigError(f"--grpo-internode-preset must be one of "
                                   f"{', '.join(INTERNODE_PRESETS)}, got {self.internode_preset!r}")
@@ -284,6 +279,11 @@ class GRPOConfig:
             fail("outer_lr", "in (0, 2]", self.outer_lr)
         if not 0.0 <= self.outer_momentum < 1.0:
             fail("outer_momentum", "in [0, 1)", self.outer_momentum)
+        if isinstance(self.grad_units_in_flight, bool) or not isinstance(self.grad_units_in_flight, int) \
+                or self.grad_units_in_flight < 1:
+            fail("grad_units_in_flight", "an integer >= 1", self.grad_units_in_flight)
+        if self.residual_dtype not in RESIDUAL_DTYPES:
+            fail("residual_dtype", "one of " + ", ".join(RESIDUAL_DTYPES), self.residual_dtype)
         if self.internode_preset not in INTERNODE_PRESETS:
             fail("internode_preset", "one of " + ", ".join(INTERNODE_PRESETS), self.internode_preset)
         if self.periodic and self.compressor in ("topk", "powersgd") and self.dynamic_sync_interval > 1:
