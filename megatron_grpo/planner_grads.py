@@ -79,10 +79,15 @@ class GradMoment:
     total: float = 0.0
     """Everything below but ``freed``: activations still held + gradients + staged residuals."""
     full: float = 0.0
+    """Units holding their whole gradient (filling, or with a sync in flight)."""
     held: float = 0.0
+    """Delayed stable units between updates, full until the step ends."""
     shards: float = 0.0
+    """This rank's shards of the units whose sync has finished."""
     late: float = 0.0
+    """Own copies of the parameters megatron reads after the sync."""
     staged: float = 0.0
+    """New error-feedback residuals staged at the syncs so far."""
     freed: float = 0.0
     """Activations backward has freed by then."""
 
