@@ -42,7 +42,9 @@ class OuterSync:
         units = ctrl.units
         first = units[0].group
         self.inter = first.inter_distributed_optimizer_instance_group
-        self.outer = OuterOptimizer(ctrl.config.outer_lr, ctrl.config.outer_momentum, self.inter)
+        cfg = ctrl.config  # the delta residuals are stored like the per-step ones
+        self.outer = OuterOptimizer(cfg.outer_lr, cfg.outer_momentum, self.inter,
+                                    residual_dtype=cfg.residual_dtype, chunk=cfg.compress_chunk)
         self.instances = self.outer.instances
         # (unit, bucket index) -> [(shard main param, its offset in the rank's shard of the bucket)]
         self.segments: Dict[Tuple[int, int], List] = {}
