@@ -33,11 +33,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from megatron_grpo.comm.accumulators import DelayedAccumulators
 from megatron_grpo.comm.compress import build_compressor
 from megatron_grpo.comm.powersgd import BucketLayout, PowerSGDState
 from megatron_grpo.comm.error_feedback import ErrorFeedback
@@ -193,12 +194,10 @@ class GRPOController(ControllerState, ControllerReport):
         self.ef = ErrorFeedback(config.residual_dtype, config.compress_chunk)
         # Keyed by (unit, bucket index in its group), like the error-feedback residuals.
         self.carry: Dict[tuple, torch.Tensor] = {}
-        self.accum: Dict[tuple, List] = {}
+        self.accum = DelayedAccumulators()
         self.staging: Dict[tuple, torch.Tensor] = {}
         # What this step used or held; applied by end_step only when the step was not skipped.
         self._carry_used: set = set()
-        self._accum_used: set = set()
-        self._held: Dict[tuple, torch.Tensor] = {}
         self._health: Optional[HealthSums] = None
         self.step_skipped = False
         self.skipped_steps = 0
@@ -328,8 +327,7 @@ class GRPOController(ControllerState, ControllerReport):
                 self.powersgd.discard()
             self.importance.discard()
             self._carry_used.clear()
-            self._accum_used.clear()
-            self._held.clear()
+            self.accum.discard()
             self._health = None
             event = {"iteration": self.step.k, "reason": "step skipped: non-finite gradient; "
                      "residuals, accumulators and importance left as they were", "moved": 0}
@@ -345,17 +343,7 @@ class GRPOController(ControllerState, ControllerReport):
         for key in self._carry_used:
             self.carry.pop(key, None)
         self._carry_used.clear()
-        for key in self._accum_used:
-            self.accum.pop(key, None)
-        self._accum_used.clear()
-        for key, grad in self._held.items():
-            acc = self.accum.get(key)
-            if acc is None:
-                self.accum[key] = [grad.detach().clone(), 1]
-            else:
-                acc[0].add_(grad)
-                acc[1] += 1
-        self._held.clear()
+        self.accum.commit()
         if self.step.measure_importance:
             self.importance.commit()
         if self._health is not None:
@@ -436,19 +424,17 @@ class GRPOController(ControllerState, ControllerReport):
             self._carry_used.add(key)
         return carry
 
-    def use_accumulator(self, key: tuple) -> Optional[List]:
-        acc = self.accum.get(key)
-        if acc is not None:
-            self._accum_used.add(key)
-        return acc
+    def use_accumulator(self, key: tuple) -> Optional[Tuple[torch.Tensor, int]]:
+        """(sum, steps summed) of a delayed stable bucket at its update; release it after use."""
+        return self.accum.take(key)
 
     def hold(self, key: tuple, grad: torch.Tensor) -> None:
         """A delayed stable bucket's scaled gradient, added to its accumulator at end_step."""
-        self._held[key] = grad
+        self.accum.hold(key, grad)
 
     def held_gradients(self) -> List[torch.Tensor]:
         """Local gradients held this step (the optimizer's non-finite check covers them)."""
-        return list(self._held.values())
+        return self.accum.held()
 
     # ------------------------------------------------------------------ tiering
     def _replica_density(self) -> List[float]:
@@ -495,9 +481,9 @@ class GRPOController(ControllerState, ControllerReport):
                 self.ef.drop(key)
                 if self.powersgd is not None:
                     self.powersgd.drop(key)
-        for key in list(self.accum):
+        for key in list(self.accum.counts):
             if key[0] in moved_local:  # re-tiering happens right after a stable update: empty
-                self.accum.pop(key)
+                self.accum.drop(key)
         self.left_local = sorted(
             i - offset for i, a, b in plan.moved if self.layout.local.start <= i < self.layout.local.stop
             and self.outer.periodic(a) and not self.outer.periodic(b))

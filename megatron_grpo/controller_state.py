@@ -21,7 +21,7 @@ class ControllerState:
         """Differs per rank: residuals, local importance, delayed accumulators, carries."""
         return {"ef": self.ef.state_dict(), "importance": self.importance.state_dict(),
                 "carry": {k: v.cpu() for k, v in self.carry.items()},
-                "accum": {k: (v[0].cpu(), v[1]) for k, v in self.accum.items()},
+                "accum": self.accum.state_dict(),
                 "powersgd": self.powersgd.state_dict() if self.powersgd is not None else None}
 
     def load_common_state(self, state: Dict) -> None:
@@ -50,6 +50,6 @@ class ControllerState:
         self.ef.load_state_dict(state["ef"])
         self.importance.load_state_dict(state["importance"])
         self.carry = {k: v.to(self.device) for k, v in state["carry"].items()}
-        self.accum = {k: [v[0].to(self.device), v[1]] for k, v in state["accum"].items()}
+        self.accum.load_state_dict(state["accum"], self.device)
         if self.powersgd is not None and state.get("powersgd"):
             self.powersgd.load_state_dict(state["powersgd"])

@@ -302,14 +302,16 @@ def late_bytes(pp: int, stage: int, rope: bool, numels: List[int], bucket_elemen
 # ------------------------------------------------------------ the memory tier's placement
 def place(g, units: List[int], elements: Dict[str, float], shard: float, dp: int,
           stream: bool, residuals: bool = False, stable_every_step: bool = False,
-          unit_residual: int = 0) -> None:
+          unit_residual: int = 0, unit_accumulator: int = 0) -> None:
     """The memory tier's effect on ``g`` (a planner Memory of one rank) (megatron_grpo/offload/placement.py). Streaming:
     the dynamic and stable units' masters and moments (12 bytes per shard element) are away at
     the peak but for two units' worth. Without streaming only the stable tier's state moves,
     and only between its updates (the peak, an update step, keeps it); a stable tier synced
     every step (--grpo-stable-mode compressed) has no such gap and stays resident.
     ``unit_residual``: bytes of the largest unit's residual (committed residuals away but for
-    three of them; staged ones are counted resident)."""
+    three of them; staged ones are counted resident). ``unit_accumulator``: bytes of the largest
+    stable unit's delayed accumulator: they are away but for three too (comm/accumulators.py;
+    the update step reads them in backward like the residuals)."""
     total = sum(elements.values()) or 1.0
     share = {t: elements[t] / total for t in elements}
     if stream:
@@ -320,11 +322,14 @@ def place(g, units: List[int], elements: Dict[str, float], shard: float, dp: int
     if residuals and g.error_feedback:
         # Backward reads residuals lookahead (2) ahead: three buckets' worth resident.
         g.offloaded += max(0, g.error_feedback - RESIDUALS_RESIDENT * unit_residual)
+    if g.delayed_accumulators:
+        g.offloaded += max(0, g.delayed_accumulators - RESIDUALS_RESIDENT * unit_accumulator)
 
 
 RESIDUALS_RESIDENT = 3
-"""Error-feedback residuals resident at backward's peak with --grpo-offload-residuals: the
-one being read and the two read ahead (megatron_grpo/offload/residuals.py, lookahead 2)."""
+"""Error-feedback residuals (and delayed accumulators) resident at backward's peak with the
+memory tier: the one being read and the two read ahead (megatron_grpo/offload/residuals.py,
+lookahead 2)."""
 
 
 def stream_window_bytes(units: List[int], dp: int) -> float:

@@ -273,13 +273,16 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
     def _merge_stable_accumulator(self) -> None:
         """Update step in delayed mode: sync the mean gradient of the steps since the last one."""
         for i, b in enumerate(self.buckets):
-            acc = self.grpo.use_accumulator((self.grpo_unit, i))
+            key = (self.grpo_unit, i)
+            acc = self.grpo.use_accumulator(key)
             if acc is None:
                 continue
+            total, count = acc
             factor = self._sum_factor(b)
-            # acc holds scaled gradients; megatron scales the current one inside start_grad_sync.
-            b.grad_data.add_(acc[0] / factor if factor != 1.0 else acc[0])
-            b.grad_data.div_(acc[1] + 1)
+            # total holds scaled gradients; megatron scales the current one inside start_grad_sync.
+            b.grad_data.add_(total / factor if factor != 1.0 else total)
+            b.grad_data.div_(count + 1)
+            self.grpo.accum.release(key)  # with the memory tier: its device copy goes at once
 
     # -- replaces _ParamAndGradBucketGroup.finish_grad_sync ------------------------------------
     def finish_grad_sync(self, force_all_reduce: bool = False):

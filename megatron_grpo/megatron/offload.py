@@ -66,6 +66,10 @@ def build_placement(config: OffloadConfig, optimizer, ctrl, rank: int) -> Option
     residuals = config.residuals and ctrl.config.compressor != "powersgd"
     if residuals:  # room for a residual of every bucket (any unit may become dynamic)
         sizes += [b.grad_data.numel() * 4 for u in ctrl.units for b in u.group.buckets]
+    delayed = ctrl.config.stable_mode == "delayed"
+    if delayed:  # and for an accumulator of every bucket (any unit may become stable)
+        sizes += [b.grad_data.numel() * b.grad_data.element_size()
+                  for u in ctrl.units for b in u.group.buckets]
     store_cfg = dataclasses.replace(config)
     if config.target == "ssd":
         if not store_cfg.capacity:
@@ -84,6 +88,11 @@ def build_placement(config: OffloadConfig, optimizer, ctrl, rank: int) -> Option
         # PowerSGD's residuals are new tensors every step; they stay in memory.
         placement.residuals = OffloadedResiduals(store, target)
         ctrl.ef.use_store(placement.residuals)
+    if delayed:
+        # The delayed stable tier's gradient sums leave with the rest of the stable tier's
+        # state (issue 28, item 2): resident only while read, added to, or read by an update.
+        placement.accumulators = OffloadedResiduals(store, target)
+        ctrl.accum.use_store(placement.accumulators)
     for oi, opt in enumerate(grpo_optimizers(optimizer)):
         opt.placement = placement
         if config.stream:

@@ -82,6 +82,7 @@ class TierPlacement:
         self._known: Dict[int, Tuple[Hashable, str]] = {}  # id(tensor) -> (key, name)
         self.stall_s = 0.0  # time the training loop waited for prefetches, this step
         self.residuals = None  # OffloadedResiduals of the error feedback, when offloaded
+        self.accumulators = None  # OffloadedResiduals of the delayed stable accumulators
         self.stream_everything = False  # this step streams core units too (GRPO's warm-up)
         self._last_stats = store.stats()
         self.tiers: Sequence[str] = ()
@@ -135,6 +136,10 @@ class TierPlacement:
         self.settle()
         if self.residuals is not None:
             self.residuals.begin_step()
+        if self.accumulators is not None:
+            # Read back at the step's end, after the optimizer step, and in backward only by a
+            # stable update: between updates none is resident through forward and backward.
+            self.accumulators.begin_step(prefetch=update_now, drain=True)
         for key, unit in self.units.items():
             if self.needed(key, update_now or update_next):
                 if unit.state in (EVICTING, AWAY):
@@ -295,15 +300,17 @@ class TierPlacement:
         written, read = (sum(delta[d][0] for d in dirs) for dirs in (out_dirs, in_dirs))
         out_s, in_s = (sum(delta[d][1] for d in dirs) for dirs in (out_dirs, in_dirs))
         busy = out_s + in_s
-        stall = self.stall_s + (self.residuals.stall_s if self.residuals is not None else 0.0)
+        stall = self.stall_s + sum(kept.stall_s for kept in self._kept())
         rec: Dict[str, float] = {
             "offload_bytes_written": written, "offload_bytes_read": read,
             "offload_io_busy_s": busy, "offload_stall_s": stall,
         }
-        if self.residuals is not None:
-            resident = self.residuals.nbytes()
-            rec["offload_bytes_residuals_device"] = resident
-            rec[f"offload_bytes_residuals_{self.target}"] = self.residuals.placed_bytes() - resident
+        for name, kept in (("residuals", self.residuals), ("accumulators", self.accumulators)):
+            if kept is not None:
+                resident = kept.nbytes()
+                rec[f"offload_bytes_{name}_device"] = resident
+                rec[f"offload_bytes_{name}_{self.target}"] = kept.placed_bytes() - resident
+                rec[f"offload_bytes_{name}_device_at_start"] = kept.resident_at_start
         if out_s > 0:
             rec["offload_write_gbps"] = written / out_s / 1e9
         if in_s > 0:
@@ -315,6 +322,10 @@ class TierPlacement:
             for where, nbytes in row.items():
                 rec[f"offload_bytes_{tier}_{where}"] = nbytes
         return rec
+
+    def _kept(self) -> list:
+        """The stores of state read and written every step (residuals, accumulators)."""
+        return [k for k in (self.residuals, self.accumulators) if k is not None]
 
     def close(self) -> None:
         """Bring everything back, then close the store (its file is deleted). Residuals are

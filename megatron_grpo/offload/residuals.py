@@ -56,16 +56,28 @@ class OffloadedResiduals:
         self._writes: List[Hashable] = []  # keys whose write-out is in flight, oldest first
         self._names = 0
         self.stall_s = 0.0
+        self.resident_at_start = 0
 
     # ---- the step -----------------------------------------------------------------------
-    def begin_step(self) -> None:
-        """Free finished writes; start reading the residuals backward will want first."""
+    def begin_step(self, prefetch: bool = True, drain: bool = False) -> None:
+        """Free finished writes; start reading the residuals backward will want first.
+        ``prefetch`` False: this step's backward reads none (delayed accumulators between
+        stable updates: read only after the optimizer step), so none is read ahead now.
+        ``drain``: wait for every write still in flight (stall time) and free it, so nothing
+        written last step is resident during this one. ``resident_at_start`` is what is
+        resident after that (the bytes held through forward and backward)."""
         self.stall_s = 0.0
+        if drain:
+            for key in self._writes:
+                self._free_when_written(key)
+            self._writes.clear()
         self.settle()
         if self._seen:
             self._order, self._seen = self._seen, []
-        for key in self._order[:self.lookahead]:
-            self._fetch(key)
+        if prefetch:
+            for key in self._order[:self.lookahead]:
+                self._fetch(key)
+        self.resident_at_start = self.nbytes()
 
     def get(self, key: Hashable, default=None) -> Optional[Residual]:
         tensor = self._tensors.get(key)

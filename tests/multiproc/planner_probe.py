@@ -75,7 +75,7 @@ def model_state_bytes(built, ctrl, outer_sync=None) -> dict:
                         out["optimizer_moments"] += t.numel() * t.element_size()
     if ctrl is not None:
         out["error_feedback"] = ctrl.ef.nbytes()
-        out["delayed_accumulators"] = sum(a[0].numel() * a[0].element_size() for a in ctrl.accum.values())
+        out["delayed_accumulators"] = ctrl.accum.nbytes()
     return out
 
 

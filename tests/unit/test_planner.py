@@ -226,6 +226,31 @@ def test_offload_moves_the_streamed_state_less_two_units_or_the_stable_state_bet
     assert "offloaded at the peak (--grpo-offload)" in format_plan(on)
 
 
+
+def test_delayed_accumulators_are_away_with_the_tier_but_for_three_units():
+    """Issue 28 item 2: the delayed stable tier's gradient sums leave with the memory tier (read
+    back a few at a time, comm/accumulators.py), streamed or not."""
+    import dataclasses
+
+    from megatron_grpo.offload import OffloadConfig
+
+    m = ModelSpec(**SMALL)
+    delayed = dataclasses.replace(SMALL_GRPO, stable_mode="delayed")
+    frozen_cfg = dataclasses.replace(SMALL_GRPO, stable_mode="frozen")
+    units = plan(m, TWO_RANKS, delayed).units
+    tiers = ["core"] + ["dynamic"] * (len(units) - 5) + ["stable"] * 4
+    frozen = plan(m, TWO_RANKS, frozen_cfg, tiers=tiers)
+    resident = plan(m, TWO_RANKS, delayed, tiers=tiers)
+    accum = resident.grpo_memory.delayed_accumulators
+    assert accum == 4 * sum(units[-4:]) > 0
+    largest = 4 * max(units[-4:])
+    for off in (OffloadConfig(target="ssd", offload_dir="/x"),
+                OffloadConfig(target="cpu", stream=False, residuals=False)):
+        with_tier = plan(m, TWO_RANKS, delayed, tiers=tiers, offload=off).grpo_memory
+        same_frozen = plan(m, TWO_RANKS, frozen_cfg, tiers=tiers, offload=off).grpo_memory
+        assert with_tier.offloaded - same_frozen.offloaded == accum - 3 * largest
+    assert frozen.grpo_memory.delayed_accumulators == 0
+
 # ------------------------------------------------------------ gradient release (issue 28)
 from megatron_grpo.planner_grads import GradMoment, UnitGrads, grad_timeline, residual_bytes  # noqa: E402
 
