@@ -136,6 +136,12 @@ class DelayedAccumulators:
             return self._store.nbytes()
         return sum(t.numel() * t.element_size() for t in self._tensors.values())
 
+    def device_bytes_by_key(self) -> Dict[Hashable, int]:
+        """Bytes per key on the device (a store's own count: a write in flight is away)."""
+        if self._store is not None:
+            return self._store.device_bytes_by_key()
+        return {k: t.numel() * t.element_size() for k, t in self._tensors.items()}
+
     def placed_bytes(self) -> int:
         """Bytes of all accumulators wherever they are (with a store: registered ones too)."""
         if self._store is not None:

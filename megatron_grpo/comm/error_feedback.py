@@ -433,6 +433,14 @@ class ErrorFeedback:
     def keys(self) -> List[Hashable]:
         return list(self._residuals)
 
+    def device_bytes_by_key(self) -> Dict[Hashable, int]:
+        """Committed residuals' bytes per key on the device (an offloading store's own count)."""
+        own = getattr(self._residuals, "device_bytes_by_key", None)
+        if own is not None:
+            return own()
+        return {k: backing_tensor(r).numel() * backing_tensor(r).element_size()
+                for k, r in self._residuals.items()}
+
     def nbytes(self) -> int:
         """Memory held by the residuals, in bytes: the committed ones (only the resident ones,
         with an offloading store) and the staged ones."""

@@ -15,6 +15,7 @@ from megatron_grpo.megatron.bucket_group import GRPOBucketGroup, install
 from megatron_grpo.megatron.ddp import GRPODistributedDataParallel
 from megatron_grpo.megatron.optimizer import (GRPODistributedOptimizer, get_grpo_optimizer,
                                               grpo_optimizers, load_optimizer_state, optimizer_state)
+from megatron_grpo.megatron.resident import resident_by_kind
 
 
 def parallel_layout():
@@ -101,6 +102,8 @@ def grpo_hooks(cfg):
         if state["placement"] is not None:
             rec.update(state["placement"].step_metrics())
         storages = grad_storages()
+        rec.update(resident_by_kind(state["built"].optimizer, state["ctrl"], storages,
+                                    state["placement"]))
         if storages:
             # Gradient bytes this rank held at most during the step, and after it (0 expected).
             each = [s.metrics() for s in storages]

@@ -162,6 +162,7 @@ class GradStorage:
         self.outstanding: List = []           # bucket groups with a sync in flight, oldest first
         self.peak = 0
         self.resident = 0
+        self.peak_by_bucket: List[int] = []  # each bucket's bytes when the step's peak was reached
 
     def add(self, grads: BucketGrads) -> None:
         self.buckets.append(grads)
@@ -194,8 +195,10 @@ class GradStorage:
         self._account()
 
     def _account(self) -> None:
-        self.resident = sum(g.resident_bytes() for g in self.buckets)
-        self.peak = max(self.peak, self.resident)
+        each = [g.resident_bytes() for g in self.buckets]
+        self.resident = sum(each)
+        if self.resident >= self.peak:
+            self.peak, self.peak_by_bucket = self.resident, each
 
     def metrics(self) -> Dict[str, float]:
         full = sum(1 for g in self.buckets if g.state == FULL)

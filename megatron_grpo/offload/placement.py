@@ -289,6 +289,11 @@ class TierPlacement:
             row[where] += unit.nbytes
         return out
 
+    def device_bytes(self, key: Hashable) -> int:
+        """Bytes of a placed group on the device (resident or on its way back); 0 if unknown."""
+        unit = self.units.get(key)
+        return unit.nbytes if unit is not None and unit.state in (RESIDENT, FETCHING) else 0
+
     def step_metrics(self) -> Dict[str, float]:
         """The step's offload figures: bytes each way and their rate, busy time of the copies,
         the stall, the share of copy time hidden behind compute, resident bytes by tier."""

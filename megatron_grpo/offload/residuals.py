@@ -195,6 +195,15 @@ class OffloadedResiduals:
         """Bytes of residuals resident now (the rest is in the store)."""
         return sum(backing_tensor(v).untyped_storage().nbytes() for v in self._tensors.values())
 
+    def device_bytes_by_key(self) -> Dict[Hashable, int]:
+        """Bytes per key on the device: resident or on their way back (a write in flight
+        counts as away, where it goes, as TierPlacement.resident_bytes counts)."""
+        out = {}
+        for key, value in self._tensors.items():
+            t = backing_tensor(value)
+            out[key] = t.numel() * t.element_size() if self._state.get(key) in (RESIDENT, FETCHING) else 0
+        return out
+
     def placed_bytes(self) -> int:
         """Bytes of all residuals, wherever they are (raw bytes: 4, 2 or ~1 per element)."""
         return sum(backing_tensor(v).numel() * backing_tensor(v).element_size()

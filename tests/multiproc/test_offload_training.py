@@ -84,6 +84,23 @@ def test_state_streams_through_the_optimizer_step_and_stays_away_between(runs):
             assert r["offload_bytes_accumulators_device_at_start"] == 0, k
         else:  # every stable unit has a sum since the last update: read ahead for backward
             assert r["offload_bytes_accumulators_device_at_start"] > 0, k
+    # Device bytes by kind and tier (issue 28 item 4): what the tier moves is away after every
+    # tiered step, what it keeps is there, and without the tier all of it is resident.
+    plain = {r["iteration"]: r for r in runs["plain"]}
+    for k in range(9, ITERS + 1):
+        r, p = by_iter[k], plain[k]
+        for kind in ("masters", "moments"):
+            for t in ("dynamic", "stable"):
+                assert r[f"mem_{kind}_{t}"] == 0 < p[f"mem_{kind}_{t}"], (k, kind, t)
+            assert r[f"mem_{kind}_core"] == p[f"mem_{kind}_core"] > 0, (k, kind)
+        assert r["mem_masters_dynamic"] + r["mem_moments_dynamic"] == 0 == r["offload_bytes_dynamic_device"]
+        # Written out after the step (a write in flight counts as away); resident without the tier.
+        assert r["mem_residuals_dynamic"] == 0 < p["mem_residuals_dynamic"], k
+        if k % 4:  # between updates: every stable unit has a sum
+            assert r["mem_accumulators_stable"] == 0 < p["mem_accumulators_stable"], k
+        # Gradients are not the tier's: the same at the step's peak with and without it.
+        assert all(r[f"mem_grads_{t}"] == p[f"mem_grads_{t}"] for t in ("core", "dynamic", "stable"))
+        assert r["mem_grads_stable"] > 0  # delayed units hold theirs until the step's end
     # A stable update reads the stable state back too: more bytes than the steps around it.
     assert by_iter[12]["offload_bytes_read"] > by_iter[10]["offload_bytes_read"]
     assert by_iter[10]["offload_bytes_read"] == by_iter[11]["offload_bytes_read"]
