@@ -534,8 +534,7 @@ def plan(model: ModelSpec, cluster: ClusterSpec, grpo: GRPOConfig,
             place(g, units, elements, sum(numels) / intra, intra, offload.stream,
                    offload.residuals and grpo.compressor != "powersgd",
                    stable_every_step=stable_compressor is not None, unit_residual=max(residuals),
-                   unit_accumulator=4 * max([n for n, w in zip(units, weights) if w["stable"] > 0],
-                                            default=0) if accum else 0)
+                   unit_accumulator=4 * max(n * w["stable"] for n, w in zip(units, weights)))
         # Gradients with --grpo-release-grads, and the new residuals staged at the syncs.
         late = late_bytes(pp, st, model.rope, numels, grpo.bucket_elements, intra, len(units))
         unit_of = param_units(numels, grpo.bucket_elements, intra)

@@ -323,7 +323,7 @@ def place(g, units: List[int], elements: Dict[str, float], shard: float, dp: int
         # Backward reads residuals lookahead (2) ahead: three buckets' worth resident.
         g.offloaded += max(0, g.error_feedback - RESIDUALS_RESIDENT * unit_residual)
     if g.delayed_accumulators:
-        g.offloaded += max(0, g.delayed_accumulators - RESIDUALS_RESIDENT * unit_accumulator)
+        g.offloaded += max(0, round(g.delayed_accumulators - RESIDUALS_RESIDENT * unit_accumulator))
 
 
 RESIDUALS_RESIDENT = 3

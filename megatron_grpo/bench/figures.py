@@ -98,6 +98,10 @@ def summarize(records: List[Dict], steady_from: int = 0) -> Dict:
             "gvr": [min(r["grpo_gvr_dynamic"] for r in health),
                     max(r["grpo_gvr_dynamic"] for r in health)],
         }
+    mem = sorted({k for r in steady for k in r if k.startswith("mem_")})
+    if mem:  # device bytes by kind and tier (megatron/resident.py): the steady window's most
+        out["steady_device_mb_by_kind"] = {k[4:]: max(r.get(k, 0) for r in steady) / 2**20
+                                           for k in mem}
     # The steady window's peak: memory the memory tier frees after warm-up shows here, while
     # the whole-run peak also holds the warm-up's (every unit core, all state resident).
     if any("step_peak_rss_bytes" in r for r in steady):

@@ -109,6 +109,16 @@ def run(args, command: str) -> SuiteResult:
     res.data = {"summaries": summaries, "compare": cmp}
     res.plots["memory by location"] = plots.memory_by_location(
         rows, plot_path(spec, "memory.png"), "peak memory per rank, steady window")
+    by_kind = {n: {k.replace("_", " / ", 1): v for k, v in s["steady_device_mb_by_kind"].items() if v}
+               for n, s in summaries.items() if s.get("steady_device_mb_by_kind")}
+    if by_kind:
+        # GRPO's own state on the device, by kind and tier (the baseline reports none).
+        res.plots["device state by kind and tier"] = plots.memory_by_location(
+            by_kind, plot_path(spec, "memory_by_kind.png"),
+            "GRPO state on the device per rank by kind / tier, steady window (most of each)")
+        for n, kinds in by_kind.items():
+            res.notes.append(f"{n}: device MB by kind / tier: " + ", ".join(
+                f"{k} {v:.1f}" for k, v in sorted(kinds.items())))
     return res
 
 

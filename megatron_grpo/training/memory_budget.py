@@ -5,13 +5,16 @@ and activations by tests/multiproc/test_planner_measured.py) predicts this rank'
 placement in tier order, and the first that fits the budget is used:
 
 1. ``resident``: nothing moves (no chunk store, no SSD file);
-2. ``stream``: the dynamic and stable tiers' fp32 masters and Adam moments live away and pass
+2. ``stable``: the lowest tier leaves first: the stable tier's masters and moments between its
+   updates, and the delayed stable tier's gradient sums (--no-grpo-offload-stream). Its update
+   steps hold its masters and moments, so this lowers the peak by the sums only (delayed mode,
+   the default; with frozen or compressed stable units it plans the resident peak, and
+   ``resident`` is taken first);
+3. ``stream``: the dynamic and stable tiers' fp32 masters and Adam moments live away and pass
    through the optimizer step a unit at a time (--grpo-offload-stream);
-3. ``stream+residuals``: their error-feedback residuals live away too (--grpo-offload-residuals).
+4. ``stream+residuals``: their error-feedback residuals live away too (--grpo-offload-residuals).
 
-Moving only the stable tier between its updates (--no-grpo-offload-stream) is not a level: its
-update steps hold all of its state, so it lowers the resident set between updates, not the
-peak a budget is about. Core state stays resident at every level.
+Core state stays resident at every level.
 
 The peak is the planner's total (model state + activations) plus what the process holds
 before the model exists: on CPU the resident set at this point (interpreter, torch, megatron,
@@ -30,6 +33,7 @@ from typing import Dict, List, Tuple
 
 LEVELS: List[Tuple[str, Dict]] = [
     ("resident", {"target": "none"}),
+    ("stable", {"stream": False, "residuals": False}),
     ("stream", {"stream": True, "residuals": False}),
     ("stream+residuals", {"stream": True, "residuals": True}),
 ]

@@ -48,6 +48,17 @@ def test_steady_window_and_ratios_are_exact():
     assert F.steady_start([base], default=3) == 3  # no GRPO run: the configured warm-up
 
 
+def test_device_bytes_by_kind_are_the_steady_windows_most():
+    grpo = _records(12, lambda i: 100, tiered_from=8, tier_map="cds")
+    for r in grpo:  # the warm-up keeps everything; tiered steps move the dynamic masters out
+        i = r["iteration"]
+        r["mem_masters_dynamic"] = 2**20 * (8 if i < 8 else 0)
+        r["mem_moments_core"] = 2**20 * (i % 3)
+    g = F.summarize(grpo, 7)
+    assert g["steady_device_mb_by_kind"] == {"masters_dynamic": 0.0, "moments_core": 2.0}
+    assert "steady_device_mb_by_kind" not in F.summarize(_records(12, lambda i: 100), 7)
+
+
 def test_reuse_needs_same_command_same_code_and_a_complete_run(tmp_path):
     metrics, cmd_file = tmp_path / "a.jsonl", tmp_path / "a.cmd.json"
     metrics.write_text("".join(json.dumps(r) + "\n" for r in _records(10, lambda i: 1)))

@@ -23,7 +23,7 @@ def _peaks(base):
 def test_each_level_is_the_planner_total_plus_what_is_held_before_the_model():
     base = 300_000_000
     peaks = _peaks(base)
-    assert list(peaks) == ["resident", "stream", "stream+residuals"]
+    assert list(peaks) == ["resident", "stable", "stream", "stream+residuals"]
     cfg = _cfg(1000)
     model = mb.model_spec(cfg, 258, "unfused")
     cluster = ClusterSpec(nodes=1, gpus_per_node=2)
@@ -33,18 +33,28 @@ def test_each_level_is_the_planner_total_plus_what_is_held_before_the_model():
                     offload=cfg.offload).grpo_memory  # ssd, stream and residuals: the last level
     assert peaks["stream+residuals"] == base + streamed.total
     assert peaks["resident"] > peaks["stream"] > peaks["stream+residuals"] > base
+    # GRPO_SMALL's stable units are frozen: moving the stable tier alone keeps the update
+    # step's peak; delayed ones hold gradient sums that leave with it (issue 28 item 2).
+    assert peaks["stable"] == peaks["resident"]
+    _, choice = mb.choose(_cfg(1000, "--grpo-stable-mode", "delayed", "--grpo-bucket-mb", "0.01"),
+                          258, "unfused", 2, base)  # more than three stable units
+    delayed = dict(choice.predicted)
+    assert delayed["resident"] > delayed["stable"] > delayed["stream"]
 
 
-@pytest.mark.parametrize("level", ["resident", "stream", "stream+residuals"])
+@pytest.mark.parametrize("level", ["resident", "stable", "stream", "stream+residuals"])
 def test_the_first_level_that_fits_is_taken(level):
     base = 300_000_000
-    peaks = _peaks(base)
+    delayed = ("--grpo-stable-mode", "delayed", "--grpo-bucket-mb", "0.01")  # 4+ stable units
+    _, choice = mb.choose(_cfg(1000, *delayed), 258, "unfused", 2, base)
+    peaks = dict(choice.predicted)
     budget = peaks[level]  # exactly at the planned peak: fits
-    off, choice = mb.choose(_cfg(budget / 1e9), 258, "unfused", 2, base)
+    off, choice = mb.choose(_cfg(budget / 1e9, *delayed), 258, "unfused", 2, base)
     assert choice.level == level and choice.planned_bytes == peaks[level]
     assert choice.metrics() == {"grpo_memory_budget_bytes": round(budget), "grpo_memory_level": level,
                                 "grpo_memory_planned_bytes": peaks[level]}
-    expected = {"resident": ("none", True, True), "stream": ("ssd", True, False),
+    expected = {"resident": ("none", True, True), "stable": ("ssd", False, False),
+                "stream": ("ssd", True, False),
                 "stream+residuals": ("ssd", True, True)}[level]
     assert (off.target, off.stream, off.residuals) == expected
     assert off.offload_dir == "/tmp" and off.memory_budget_gb == budget / 1e9
