@@ -312,7 +312,8 @@ class TierPlacement:
         }
         for name, kept in (("residuals", self.residuals), ("accumulators", self.accumulators)):
             if kept is not None:
-                resident = kept.nbytes()
+                # Counted like resident_bytes: a write in flight is where it goes.
+                resident = sum(kept.device_bytes_by_key().values())
                 rec[f"offload_bytes_{name}_device"] = resident
                 rec[f"offload_bytes_{name}_{self.target}"] = kept.placed_bytes() - resident
                 rec[f"offload_bytes_{name}_device_at_start"] = kept.resident_at_start

@@ -134,6 +134,9 @@ def test_missing_offload_dir_fails_before_step_1_or_falls_back_to_cpu(runs, tmp_
     assert losses(records) == losses(runs["plain"])
     assert records[8]["offload_bytes_stable_cpu"] > 0 and "offload_bytes_stable_ssd" not in records[8]
     assert records[8]["offload_bytes_dynamic_cpu"] == 0  # not streamed: moments stay resident
+    # The delayed stable tier's sums leave in host memory too, streamed or not.
+    assert all(records[k - 1]["offload_bytes_accumulators_cpu"] > 0 for k in (10, 11, 14, 15))
+    assert all(records[k - 1]["offload_bytes_accumulators_device_at_start"] == 0 for k in (10, 11, 14, 15))
 
 
 def test_memory_budget_chooses_before_the_model_and_refuses_what_cannot_fit(runs, tmp_path):
