@@ -115,7 +115,7 @@ def run(args, command: str) -> SuiteResult:
         # GRPO's own state on the device, by kind and tier (the baseline reports none).
         res.plots["device state by kind and tier"] = plots.memory_by_location(
             by_kind, plot_path(spec, "memory_by_kind.png"),
-            "GRPO state on the device per rank by kind / tier, steady window (most of each)")
+            "GRPO state on the device by kind / tier (steady window)")
         for n, kinds in by_kind.items():
             res.notes.append(f"{n}: device MB by kind / tier: " + ", ".join(
                 f"{k} {v:.1f}" for k, v in sorted(kinds.items())))

@@ -129,6 +129,7 @@ def memory_by_location(rows: Dict[str, Dict[str, float]], path: str, title: str)
         ax.bar(labels, vals, bottom=bottom, label=loc)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set(title=title, ylabel="MB per rank")
+    ax.tick_params(axis="x", labelrotation=15, labelsize=8)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
     return _save(fig, path)

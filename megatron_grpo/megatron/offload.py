@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from megatron_grpo.comm.error_feedback import residual_nbytes
 from megatron_grpo.megatron.optimizer import grpo_optimizers
 from megatron_grpo.offload import ChunkStore, OffloadConfig
 from megatron_grpo.offload.placement import TierPlacement, planned_bytes
@@ -64,8 +65,11 @@ def build_placement(config: OffloadConfig, optimizer, ctrl, rank: int) -> Option
         per_element = PER_ELEMENT_STATES + bool(getattr(opt.optimizer, "master_weights", False))
         sizes += [shard.numel() * 4 for _, shard in opt._pairs() for _ in range(per_element)]
     residuals = config.residuals and ctrl.config.compressor != "powersgd"
-    if residuals:  # room for a residual of every bucket (any unit may become dynamic)
-        sizes += [b.grad_data.numel() * 4 for u in ctrl.units for b in u.group.buckets]
+    if residuals:  # room for a residual of every bucket (any unit may become dynamic),
+        # in its storage dtype (--grpo-residual-dtype: 4, 2 or about 1 byte per element)
+        sizes += [residual_nbytes(b.grad_data.numel(), ctrl.config.residual_dtype,
+                                  ctrl.config.compress_chunk)
+                  for u in ctrl.units for b in u.group.buckets]
     delayed = ctrl.config.stable_mode == "delayed"
     if delayed:  # and for an accumulator of every bucket (any unit may become stable)
         sizes += [b.grad_data.numel() * b.grad_data.element_size()
