@@ -201,7 +201,7 @@ def main(argv=None) -> int:
     rates = args.rate or ["200mbit", "50mbit"]
     for rate in rates:
         rate_bits(rate)
-    from cluster import LocalCluster, install_packages, unavailable_reason
+    from cluster import LocalCluster, down_on_signals, install_packages, unavailable_reason
 
     reason = unavailable_reason()
     if reason:
@@ -225,13 +225,14 @@ def main(argv=None) -> int:
     for rate in rates:
         cluster = LocalCluster(os.path.join(args.out, f"cluster_{rate}"),
                                rate=None if rate == "none" else rate)
-        cluster.up()
-        try:
-            rows.append(summarize(rate, run_pair(cluster, rate, args, args.out, first), first))
-        finally:
-            left = cluster.down()
-            if left:
-                print(f"warning: cluster teardown left {left}", file=sys.stderr)
+        with down_on_signals(cluster):  # a killed benchmark leaves no daemons either
+            cluster.up()
+            try:
+                rows.append(summarize(rate, run_pair(cluster, rate, args, args.out, first), first))
+            finally:
+                left = cluster.down()
+                if left:
+                    print(f"warning: cluster teardown left {left}", file=sys.stderr)
         print_row(rows[-1], args.goal)
     with open(os.path.join(args.out, "summary.json"), "w") as fh:
         json.dump({"command": " ".join(sys.argv), "rows": rows}, fh, indent=1)

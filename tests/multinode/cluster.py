@@ -15,6 +15,7 @@ Traffic stays on loopback and on the bridge made here.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -366,6 +367,33 @@ class LocalCluster:
         self.procs = {k: p for k, p in self.procs.items() if p.poll() is None}
         problems += [f"process {k} (pid {p.pid})" for k, p in self.procs.items()]
         return problems
+
+
+@contextlib.contextmanager
+def down_on_signals(cluster, signals=(signal.SIGTERM, signal.SIGINT)):
+    """While inside: SIGTERM or SIGINT takes ``cluster`` down first. Without it SIGTERM
+    (``timeout``, a CI job cancelled, ``kill``) ends pytest at once: no fixture finalizer runs,
+    and munged, slurmctld, both slurmd (their own sessions, so the signal does not reach them)
+    and the network namespaces stay. After the teardown SIGTERM ends the process with the same
+    signal, and SIGINT raises KeyboardInterrupt as Python's own handler does (pytest then stops
+    and reports; the fixture's second ``down()`` finds nothing left). A second signal during the
+    teardown ends the process at once (the handlers are reset first)."""
+    def handler(signum, _frame):
+        for s in signals:
+            signal.signal(s, signal.SIG_DFL)
+        try:
+            cluster.down()
+        finally:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            os.kill(os.getpid(), signum)
+
+    old = {s: signal.signal(s, handler) for s in signals}
+    try:
+        yield cluster
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 # ---------------------------------------------------------------------- reading a job's results

@@ -10,7 +10,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/: harness
 sys.path.insert(0, HERE)
 
-from cluster import ClusterError, LocalCluster, install_packages, unavailable_reason  # noqa: E402
+from cluster import (ClusterError, LocalCluster, down_on_signals, install_packages,  # noqa: E402
+                     unavailable_reason)
 from harness import REPO  # noqa: E402
 
 SBATCH = os.path.join(REPO, "launch", "slurm", "pretrain_gpt_grpo.sbatch")
@@ -28,12 +29,13 @@ def slurm_cluster(tmp_path_factory):
             pytest.fail(f"cannot install the SLURM/munge packages: {exc}")
         pytest.skip(f"SLURM/munge packages missing and not installable: {exc}")
     cluster = LocalCluster(str(tmp_path_factory.mktemp("slurm")))
-    cluster.up()
-    try:
-        yield cluster
-    finally:
-        leftovers = cluster.down()
-        assert not leftovers, f"local cluster teardown left: {leftovers}"
+    with down_on_signals(cluster):  # SIGTERM / SIGINT to pytest leave nothing running either
+        cluster.up()
+        try:
+            yield cluster
+        finally:
+            leftovers = cluster.down()
+            assert not leftovers, f"local cluster teardown left: {leftovers}"
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,67 @@
+"""tests/multinode/cluster.down_on_signals: SIGTERM or SIGINT to a process holding the local SLURM
+cluster takes the cluster down before the process dies of that signal (issue 29: an interrupted
+suite left munged, slurmctld, both slurmd and two network namespaces running). A cluster double
+records its teardown; tests/multinode/test_cluster_signals.py does it with the real cluster."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MULTINODE = os.path.join(os.path.dirname(HERE), "multinode")
+
+SCRIPT = """
+import sys, time
+sys.path.insert(0, {multinode!r})
+from cluster import down_on_signals
+
+class Double:
+    def down(self):
+        with open({marker!r}, "a") as fh:
+            fh.write("down\\n")
+        return []
+
+if {guarded}:
+    with down_on_signals(Double()):
+        print("ready", flush=True)
+        time.sleep(60)
+else:
+    print("ready", flush=True)
+    time.sleep(60)
+"""
+
+
+def _interrupt(tmp_path, signum, guarded=True):
+    marker = tmp_path / "down.txt"
+    code = SCRIPT.format(multinode=MULTINODE, marker=str(marker), guarded=guarded)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"  # the handlers are installed: signal now
+        proc.send_signal(signum)
+        rc = proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return rc, (marker.read_text() if marker.exists() else "")
+
+
+def test_sigterm_takes_the_cluster_down_once_then_ends_the_process(tmp_path):
+    rc, marker = _interrupt(tmp_path, signal.SIGTERM)
+    assert marker == "down\n"
+    assert rc == -signal.SIGTERM  # died of the same signal, as it would have without the cluster
+
+
+def test_sigint_takes_the_cluster_down_then_raises_keyboard_interrupt(tmp_path):
+    rc, marker = _interrupt(tmp_path, signal.SIGINT)
+    assert marker == "down\n"
+    # The KeyboardInterrupt went up uncaught, and Python ends such a process by SIGINT.
+    assert rc == -signal.SIGINT
+
+
+def test_without_it_sigterm_leaves_the_cluster_up(tmp_path):
+    rc, marker = _interrupt(tmp_path, signal.SIGTERM, guarded=False)
+    assert rc == -signal.SIGTERM and marker == ""
