@@ -22,6 +22,12 @@ INTERNODE_PRESETS = ("none", "source")
 RESIDUAL_DTYPES = ("fp32", "bf16", "int8")
 
 
+class ConfigError(ValueError):
+    """A user-facing configuration problem; the message names the flag/field and the fix.
+    Defined here, the lowest layer, so the megatron glue raises it without importing the
+    training entry (megatron_grpo.training.arguments re-exports it)."""
+
+
 class GRPOConfigError(ValueError):
     """A GRPO setting is out of range; the message names the flag and the accepted values."""
 

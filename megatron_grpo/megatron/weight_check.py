@@ -38,6 +38,8 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron_grpo.config import ConfigError
+
 FLAG = "--check-weight-hash-interval"
 
 # Digest arithmetic: 16-bit words (< 2**16) times weights (<= 2**20) summed over at most
@@ -122,8 +124,6 @@ def validate_interval(interval) -> Optional[int]:
     if interval is None:
         return None
     if isinstance(interval, bool) or not isinstance(interval, int) or interval <= 0:
-        from megatron_grpo.training.arguments import ConfigError
-
         raise ConfigError(f"{FLAG} must be a positive integer (check every N iterations), "
                           f"got {interval!r}")
     return interval

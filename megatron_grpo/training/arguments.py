@@ -18,15 +18,12 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 
+from megatron_grpo.config import ConfigError  # noqa: F401 - defined low so every layer can raise it
 from megatron_grpo.training.config import SECTIONS, PretrainConfig
 
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
-
-
-class ConfigError(ValueError):
-    """A user-facing configuration problem; the message names the flag/field and the fix."""
 
 
 def field_docs(cls) -> Dict[str, str]:
