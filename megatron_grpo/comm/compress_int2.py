@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_grpo.comm.compress import Compressor, _bytes_as, _round4, chunk_view
+from megatron_grpo.comm.compress_base import Compressor, _bytes_as, _round4, chunk_view
 
 INNER, OUTER, THRESHOLD = 0.4528, 1.5104, 0.9816
 """Lloyd-Max levels and decision threshold of a unit Gaussian at 4 levels, in units of the RMS."""
