@@ -31,8 +31,8 @@ Batched rows: a bucket is dp shards of equal length, i.e. a [dp, N] view, and it
 a [dp, P] view of the send / receive buffer. ``compress_rows`` / ``decompress_rows`` /
 ``decompress_rows_sum`` handle R rows with a fixed number of tensor ops per block of rows (the
 sum adds one op per level of a pairwise tree, ceil(log2 R)). Blocks hold up to 4 Mi elements
-(_BLOCK_ELEMS, compress_base.py), so a bucket has about bucket / 2-4 Mi of them whatever dp is, and one for small
-buckets: host overhead per bucket no longer grows with dp, where the per-shard Python loop
+(_BLOCK_ELEMS, compress_base.py), so a bucket has about bucket / 2-4 Mi of them whatever dp
+is, and one for small buckets: host overhead per bucket no longer grows with dp, where the per-shard Python loop
 (~14 ops per shard) cost 3.4 ms per bucket at dp=8 and 260 ms at dp=512. ``compress`` and
 ``decompress`` are the R = 1 case of the same code, so a row of a batch is byte-identical to
 the shard compressed alone (see TopKCompressor for the one CUDA caveat).
