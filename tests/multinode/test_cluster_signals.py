@@ -1,7 +1,8 @@
 """The real local SLURM cluster, interrupted: SIGTERM to the process that holds it (as
 `timeout`, a cancelled CI job or `kill` send to pytest) leaves no daemon and no network
 namespace behind (tests/multinode/cluster.down_on_signals; the fast test with a cluster double
-is tests/unit/test_cluster_signals.py). One cluster start, so behind -m slow."""
+is tests/unit/test_cluster_signals.py). Its own cluster, beside the session's (they coexist);
+starting one takes about a second."""
 
 import os
 import signal
@@ -44,7 +45,6 @@ def _left(root, tag):
     return procs, namespaces
 
 
-@pytest.mark.slow
 def test_sigterm_takes_the_real_cluster_down(slurm_cluster_packages, tmp_path):
     root = str(tmp_path / "cluster")
     os.makedirs(root)
