@@ -1,7 +1,7 @@
 """The real local SLURM cluster, interrupted: SIGTERM to the process that holds it (as
 `timeout`, a cancelled CI job or `kill` send to pytest) leaves no daemon and no network
 namespace behind (tests/multinode/cluster.down_on_signals; the fast test with a cluster double
-is tests/unit/test_cluster_signals.py). Its own cluster, beside the session's (they coexist);
+is tests/unit/test_down_on_signals.py). Its own cluster, beside the session's (they coexist);
 starting one takes about a second."""
 
 import os

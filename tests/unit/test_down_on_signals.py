@@ -1,7 +1,7 @@
 """tests/multinode/cluster.down_on_signals: SIGTERM or SIGINT to a process holding the local SLURM
 cluster takes the cluster down before the process dies of that signal (issue 29: an interrupted
 suite left munged, slurmctld, both slurmd and two network namespaces running). A cluster double
-records its teardown; tests/multinode/test_cluster_signals.py does it with the real cluster."""
+records its teardown; tests/multinode/test_slurm_cluster_sigterm.py does it with the real cluster."""
 
 import os
 import signal
