@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 TIERS = ("core", "dynamic", "stable")
+"""The tier names, in rank order; the one definition (tiers.py, the bench and the glue import it)."""
 COMPRESSORS = ("int4", "int8", "topk", "powersgd")
 CORE_COMPRESSORS = ("none", "int8", "int4")
 STABLE_MODES = ("frozen", "delayed", "compressed", "local")
@@ -30,6 +31,13 @@ class ConfigError(ValueError):
 
 class GRPOConfigError(ValueError):
     """A GRPO setting is out of range; the message names the flag and the accepted values."""
+
+
+def default_bucket_elements(dp: int) -> int:
+    """megatron's DDP bucket size (elements) when none is given: max(4e7, 1e6 dp)
+    (distributed_data_parallel.py, megatron-core 0.16.1). The one copy of the formula: the glue
+    (megatron/ddp.py), the checkpoint layout and the planners use it."""
+    return max(40_000_000, 1_000_000 * dp)
 
 
 @dataclass

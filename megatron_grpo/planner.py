@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence
 
 from megatron_grpo.comm.analytic import baseline_step_bytes, ddp_bucket_numels, gpt_param_numels
 from megatron_grpo.comm.compress import build_compressor
-from megatron_grpo.config import TIERS, GRPOConfig
+from megatron_grpo.config import TIERS, GRPOConfig, default_bucket_elements
 # The gradient, residual and placement model (issue 28) lives in its own file.
 from megatron_grpo.planner_grads import (RESIDUAL_BYTES, RESIDUALS_RESIDENT,  # noqa: F401
                                          backward_order, late_bytes, param_units, place,
@@ -482,7 +482,7 @@ def plan(model: ModelSpec, cluster: ClusterSpec, grpo: GRPOConfig,
         stage = 0
     if bucket_size is not None and (not isinstance(bucket_size, int) or bucket_size <= 0):
         raise ValueError(f"bucket_size must be None or a positive integer, got {bucket_size!r}")
-    default_bucket = bucket_size or max(40_000_000, 1_000_000 * dp)
+    default_bucket = bucket_size or default_bucket_elements(dp)
     if grpo.compressor == "powersgd":
         raise ValueError("--grpo-compressor powersgd: the planner does not model this benchmark "
                          "peer (its bytes depend on every parameter's matrix shape); its bytes are "

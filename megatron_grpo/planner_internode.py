@@ -33,6 +33,7 @@ from typing import Dict, Optional, Sequence
 from megatron_grpo.comm.analytic import baseline_step_bytes, ddp_bucket_numels
 from megatron_grpo.comm.compress import build_compressor
 from megatron_grpo.comm.wire_rules import _ring_allreduce  # the wire counter's own rule
+from megatron_grpo.config import default_bucket_elements
 from megatron_grpo.planner import parse_tiers, stage_param_numels
 
 
@@ -104,7 +105,7 @@ def internode(model, cluster, grpo, bucket_size: Optional[int] = None,
         raise ValueError(f"instances ({inst}) must divide the data-parallel size ({dp})")
     intra = dp // inst
     numels = stage_param_numels(model, cluster, stage)
-    default_bucket = bucket_size or max(40_000_000, 1_000_000 * dp)
+    default_bucket = bucket_size or default_bucket_elements(dp)
     first = stage == 0
     flat = 0
     if cluster.dp_spans_nodes:

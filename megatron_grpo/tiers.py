@@ -42,7 +42,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-TIERS = ("core", "dynamic", "stable")
+from megatron_grpo.config import TIERS  # noqa: E402 - the one definition
 
 
 @dataclass

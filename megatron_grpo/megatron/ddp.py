@@ -26,12 +26,8 @@ import torch
 
 from megatron.core.distributed import DistributedDataParallel
 
+from megatron_grpo.config import default_bucket_elements
 from megatron_grpo.megatron.grad_storage import GradStorage, cut_buffer
-
-
-def default_bucket_size(dp: int) -> int:
-    """megatron's bucket size when none is given (distributed_data_parallel.py, 0.16.1)."""
-    return max(40000000, 1000000 * dp)
 
 
 class GRPODistributedDataParallel(DistributedDataParallel):
@@ -49,7 +45,7 @@ class GRPODistributedDataParallel(DistributedDataParallel):
             if requested is None:
                 from megatron.core import parallel_state as ps
 
-                requested = default_bucket_size(ps.get_data_parallel_world_size())
+                requested = default_bucket_elements(ps.get_data_parallel_world_size())
         self.__dict__["_grpo_requested_bucket_size"] = requested
         self.__dict__["grpo_grad_storage"] = None
         super().__init__(config, ddp_config, module, *args, **kwargs)

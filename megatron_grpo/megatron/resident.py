@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from typing import Dict, Iterable
 
+from megatron_grpo.config import TIERS
 from megatron_grpo.megatron.offload import unit_state
 
 KINDS = ("grads", "masters", "moments", "residuals", "accumulators")
-TIERS = ("core", "dynamic", "stable")
 
 
 def resident_by_kind(optimizer, ctrl, storages: Iterable, placement=None) -> Dict[str, int]:
