@@ -217,12 +217,40 @@ class GRPOConfig:
             return self.core_sync_interval
         if tier == "dynamic":
             return self.dynamic_sync_interval
-        return self.stable_interval if self.stable_mode == "local" else 1
+        return self.stable_interval if self.stable_local else 1
+
+    # The stable modes, asked by name (the one place their strings are compared).
+    @property
+    def stable_frozen(self) -> bool:
+        """--grpo-stable-mode frozen: no gradient between updates, nothing sent."""
+        return self.stable_mode == "frozen"
+
+    @property
+    def stable_delayed(self) -> bool:
+        """--grpo-stable-mode delayed: gradients summed locally, their mean sent at updates."""
+        return self.stable_mode == "delayed"
+
+    @property
+    def stable_local(self) -> bool:
+        """--grpo-stable-mode local: trained inside each instance, averaged between them every
+        --grpo-stable-interval steps (compressed inside the instance every step)."""
+        return self.stable_mode == "local"
+
+    @property
+    def stable_compressed(self) -> bool:
+        """--grpo-stable-mode compressed: every step, through --grpo-stable-compressor."""
+        return self.stable_mode == "compressed"
+
+    @property
+    def stable_every_step(self) -> bool:
+        """The stable tier syncs every step through its compressor (compressed, or local inside
+        an instance), so it has no updates to wait for."""
+        return self.stable_compressed or self.stable_local
 
     @property
     def periodic(self) -> bool:
         """Some tier trains locally between syncs across instances."""
-        return any(self.sync_interval(t) > 1 for t in TIERS) or self.stable_mode == "local"
+        return any(self.sync_interval(t) > 1 for t in TIERS) or self.stable_local
 
     def validate(self, world_size: Optional[int] = None) -> None:
         def fail(field: str, accepted: str, value) -> None:
@@ -287,7 +315,7 @@ class GRPOConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 fail(name, "an integer >= 1 (1: every step)", value)
-        if self.stable_mode == "local" and self.stable_interval < 1:
+        if self.stable_local and self.stable_interval < 1:
             fail("stable_interval", "an integer >= 1 with --grpo-stable-mode local", self.stable_interval)
         if not 0.0 < self.outer_lr <= 2.0:
             fail("outer_lr", "in (0, 2]", self.outer_lr)

@@ -190,7 +190,7 @@ class GRPOController(ControllerState, ControllerReport):
                                 build_compressor(config.core_compressor, config.compress_chunk,
                                                  config.topk_ratio))
         self.stable_compressor = (build_compressor(config.stable_compressor, config.compress_chunk)
-                                  if config.stable_mode in ("compressed", "local") else None)
+                                  if config.stable_every_step else None)
         self.ef = ErrorFeedback(config.residual_dtype, config.compress_chunk)
         # Keyed by (unit, bucket index in its group), like the error-feedback residuals.
         self.carry: Dict[tuple, torch.Tensor] = {}
@@ -288,7 +288,7 @@ class GRPOController(ControllerState, ControllerReport):
         """Steps between stable updates; a compressed or local stable tier steps every iteration
         (an interval of 1: re-tier at any step)."""
         c = self.config
-        return 1 if c.stable_mode in ("compressed", "local") else c.stable_interval
+        return 1 if c.stable_every_step else c.stable_interval
 
     def _retier_at(self, k: int) -> bool:
         """Will iteration ``k`` (the next one) start with a re-tier? Decided as begin_step will."""
@@ -353,7 +353,7 @@ class GRPOController(ControllerState, ControllerReport):
         """Will the step after this one update the stable tier? (The memory tier prefetches the
         stable tier's state one step ahead.) A re-tier at that step only moves units out of
         stable right after an update, when their state is resident anyway."""
-        if self.config.stable_mode in ("compressed", "local"):
+        if self.config.stable_every_step:
             return True
         interval = self.config.stable_interval
         return interval > 0 and (self.step.k + 1) % interval == 0
@@ -505,7 +505,7 @@ class GRPOController(ControllerState, ControllerReport):
     def _apply_freezing(self) -> None:
         """Frozen stable units skip weight-gradient compute: megatron's linear layers take the
         frozen-weight path when ``requires_grad`` is False, and autograd skips the rest."""
-        frozen_mode = self.config.stable_mode == "frozen"
+        frozen_mode = self.config.stable_frozen
         for unit, tier in zip(self.units, self.tiers):
             want = not (frozen_mode and tier == "stable" and not self.step.stable_update)
             for p in unit.params:

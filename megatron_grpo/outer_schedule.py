@@ -31,7 +31,7 @@ class OuterSchedule:
         local = set()
         if instances > 1:
             local = {t for t in ("core", "dynamic") if self.intervals[t] > 1}
-            if config.stable_mode == "local":
+            if config.stable_local:
                 local.add("stable")
         self.local_tiers = frozenset(local)
         self.origin: Optional[int] = None

@@ -440,7 +440,7 @@ def _memory(model: ModelSpec, cluster: ClusterSpec, buckets: List[int], unpadded
 def _local_tiers(grpo: GRPOConfig) -> set:
     """Tiers trained inside an instance and averaged between instances periodically."""
     local = {t for t in ("core", "dynamic") if grpo.sync_interval(t) > 1}
-    return local | ({"stable"} if grpo.stable_mode == "local" else set())
+    return local | ({"stable"} if grpo.stable_local else set())
 
 
 def _outer_bytes(units: List[int], weights: List[Dict[str, float]], residuals: List[int],
@@ -492,7 +492,7 @@ def plan(model: ModelSpec, cluster: ClusterSpec, grpo: GRPOConfig,
                        build_compressor(grpo.core_compressor, grpo.compress_chunk, grpo.topk_ratio))
     # --grpo-stable-mode compressed: the stable tier sends its own compressor's bytes every step.
     stable_compressor = (build_compressor(grpo.stable_compressor, grpo.compress_chunk)
-                         if grpo.stable_mode == "compressed" else None)
+                         if grpo.stable_compressed else None)
     stable_interval = 1 if stable_compressor is not None else grpo.stable_interval
 
     per_stage = []
@@ -509,9 +509,9 @@ def plan(model: ModelSpec, cluster: ClusterSpec, grpo: GRPOConfig,
             units = ddp_bucket_numels(numels, grpo.bucket_elements, intra)
         baseline = _memory(model, cluster, base, sum(numels), act, separate_fp32_master=False)
         elements = _tier_elements(units, share_tiers, grpo)
-        accum = elements["stable"] if grpo.stable_mode == "delayed" else 0.0
+        accum = elements["stable"] if grpo.stable_delayed else 0.0
         compressing = ["dynamic"] + (["core"] if core_compressor else []) + \
-            (["stable"] if stable_compressor or (grpo.stable_mode == "local" and inst > 1) else [])
+            (["stable"] if stable_compressor or (grpo.stable_local and inst > 1) else [])
         # Residuals: one instance: every element of the compressed units; several: only the
         # inter-instance stage compresses, per element of this rank's shard padded to one row
         # per instance (comm/hierarchical.py), and the periodic tiers' live in the outer state.

@@ -228,11 +228,11 @@ def param_units(numels: Sequence[int], bucket_size: Optional[int], dp: int) -> L
     return unit_of
 
 
-def roles(stable_mode: str, stable_interval: int, update: bool,
-          ef_tiers: set) -> Dict[str, Tuple[float, float, float]]:
-    """(syncs, held, compressed) of a whole unit of each tier, on a stable update step or not."""
-    stable_syncs = stable_mode in ("compressed", "local") or (update and stable_interval > 0)
-    stable = (1.0, 0.0) if stable_syncs else (0.0, 1.0 if stable_mode == "delayed" else 0.0)
+def roles(grpo, update: bool, ef_tiers: set) -> Dict[str, Tuple[float, float, float]]:
+    """(syncs, held, compressed) of a whole unit of each tier, on a stable update step or not
+    (``grpo``: the GRPOConfig)."""
+    stable_syncs = grpo.stable_every_step or (update and grpo.stable_interval > 0)
+    stable = (1.0, 0.0) if stable_syncs else (0.0, 1.0 if grpo.stable_delayed else 0.0)
     out = {"core": (1.0, 0.0), "dynamic": (1.0, 0.0), "stable": stable}
     return {t: (*out[t], 1.0 if t in ef_tiers else 0.0) for t in TIERS}
 
@@ -264,7 +264,7 @@ def release_memory(g, grpo, units: List[int], weights: List[Dict[str, float]],
     best = None
     for kind in ("between", "update"):
         step = step_units(units, weights, residuals, late, shard_ranks,
-                          roles(grpo.stable_mode, grpo.stable_interval, kind == "update", ef_tiers))
+                          roles(grpo, kind == "update", ef_tiers))
         if not release:  # every unit's storage is there all the time
             step = [dataclasses.replace(u, syncs=1.0, held=0.0) for u in step]
         moment, g.grad_peaks[kind] = grad_timeline(step, g.activations, window, prefilled, release,

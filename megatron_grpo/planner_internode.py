@@ -132,8 +132,8 @@ def internode(model, cluster, grpo, bucket_size: Optional[int] = None,
     dyn_b = [compressed(n, compressor) for n in units]
     # --grpo-stable-mode compressed: the stable tier's own compressor, every step.
     stable_c = (build_compressor(grpo.stable_compressor, grpo.compress_chunk)
-                if grpo.stable_mode == "compressed" else None)
-    local = grpo.stable_mode == "local" and inst > 1
+                if grpo.stable_compressed else None)
+    local = grpo.stable_local and inst > 1
     if local:  # deltas through the stable compressor at each sync
         stable_c = build_compressor(grpo.stable_compressor, grpo.compress_chunk)
     stable_b = [exact(n) if stable_c is None else compressed(n, stable_c) for n in units]

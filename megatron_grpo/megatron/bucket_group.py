@@ -166,7 +166,7 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
                 self._hold_stable_gradient()
                 self.grad_reduce_handle = _Completed()
                 return
-            if tier == "stable" and ctrl.config.stable_mode == "delayed":
+            if tier == "stable" and ctrl.config.stable_delayed:
                 self._merge_stable_accumulator()
             compressor = ctrl.unit_compressor(unit)
             if compressor is not None:
@@ -264,7 +264,7 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
         the grad buffer, and the controller adds it to the accumulator once the step is applied
         (a skipped step must leave the accumulator as it was)."""
         ctrl = self.grpo
-        if ctrl.config.stable_mode != "delayed":
+        if not ctrl.config.stable_delayed:
             return
         self._scale()
         for i, b in enumerate(self.buckets):
@@ -293,7 +293,7 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
             return  # finished in backward to bound the units in flight (_in_flight)
         if not self.grpo.unit_active(self.grpo_unit) and self.grad_reduce_handle is None:
             # A frozen stable unit computed no gradient, so megatron never marked it ready.
-            if self.grpo.config.stable_mode == "frozen":
+            if self.grpo.config.stable_frozen:
                 return
         if not self.ddp_config.overlap_grad_reduce or self.is_first_batch:
             if self.grad_reduce_handle is None:

@@ -70,7 +70,7 @@ def build_placement(config: OffloadConfig, optimizer, ctrl, rank: int) -> Option
         sizes += [residual_nbytes(b.grad_data.numel(), ctrl.config.residual_dtype,
                                   ctrl.config.compress_chunk)
                   for u in ctrl.units for b in u.group.buckets]
-    delayed = ctrl.config.stable_mode == "delayed"
+    delayed = ctrl.config.stable_delayed
     if delayed:  # and for an accumulator of every bucket (any unit may become stable)
         sizes += [b.grad_data.numel() * b.grad_data.element_size()
                   for u in ctrl.units for b in u.group.buckets]

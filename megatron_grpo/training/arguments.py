@@ -398,6 +398,6 @@ def _periodic_flags(grpo) -> str:
         return f"--grpo-internode-preset {grpo.internode_preset}"
     out = [f"--grpo-{t}-sync-interval {grpo.sync_interval(t)}" for t in ("core", "dynamic")
            if grpo.sync_interval(t) > 1]
-    if grpo.stable_mode == "local":
+    if grpo.stable_local:
         out.append("--grpo-stable-mode local")
     return " and ".join(out)
