@@ -546,7 +546,9 @@ def plan(model: ModelSpec, cluster: ClusterSpec, grpo: GRPOConfig,
             events.append((unit_of[i], freed))
         release_memory(g, grpo, units, weights, residuals, late, ef_tiers, intra,
                        model.micro_batches(dp, pp), model.overlap_grad_reduce, events,
-                       min(act, last_backward_activation_bytes(model, cluster, st)))
+                       min(act, last_backward_activation_bytes(model, cluster, st)),
+                       shards_away=offload is not None and offload.target != "none"
+                       and offload.stream and offload.grads and grpo.release_grads)
         return baseline, g
 
     if stage is not None:

@@ -70,6 +70,9 @@ class UnitGrads:
     """Share full to the step's end without a sync (delayed stable units between updates)."""
     compressed: float
     """Share with an error-feedback residual (a new one staged at its sync)."""
+    away: float = 0.0
+    """Share whose shard the memory tier writes out at the sync (--grpo-offload-grads: the units
+    the optimizer step streams); resident only while its write is among the last few."""
 
 
 @dataclass
@@ -145,8 +148,13 @@ def grad_timeline(units: Sequence[UnitGrads], activations: int, window: Optional
         now.shards += u.syncs * u.shard
         now.late += u.syncs * u.late
         record()
+        if u.away * u.syncs:
+            # Written out at once; the store frees the oldest beyond its writes in flight.
+            writes.append(u.away * u.syncs * u.shard)
+            while len(writes) > SHARD_WRITES_RESIDENT:
+                now.shards -= writes.popleft()
 
-    started, in_flight = set(), deque()
+    started, in_flight, writes = set(), deque(), deque()
     record()  # the end of forward (the busiest of 1F1B with pipeline parallelism)
     held[0] = last
     for i, freed in events:
@@ -172,6 +180,11 @@ def grad_timeline(units: Sequence[UnitGrads], activations: int, window: Optional
         sync_done(u)
     record()
     return best, peak[0]
+
+
+SHARD_WRITES_RESIDENT = 3
+"""Gradient shards written out and still resident (--grpo-offload-grads): the store keeps its
+last writes in flight, lookahead + 1 (megatron_grpo/offload/residuals.py)."""
 
 
 def backward_order(layers: int, pre: bool, post: bool, position_table: bool, norm_bias: bool,
@@ -249,11 +262,13 @@ def release_memory(g, grpo, units: List[int], weights: List[Dict[str, float]],
                    residuals: List[int], late: List[int], ef_tiers: set, shard_ranks: int,
                    micro_batches: int, overlap_grad_reduce: bool,
                    events: Optional[Sequence[Tuple[int, float]]] = None,
-                   last_activations: Optional[int] = None) -> None:
+                   last_activations: Optional[int] = None, shards_away: bool = False) -> None:
     """Set the gradient and staged-residual fields of ``g`` (a planner Memory) to the steady
     peak's moment, ``g.grad_peaks`` and ``g.step_peaks`` by kind of step and, with
     --grpo-release-grads, ``g.first_iteration`` to the first iteration's peak. ``events``
-    and ``last_activations``: ``grad_timeline``'s."""
+    and ``last_activations``: ``grad_timeline``'s. ``shards_away``: the memory tier moves the
+    gradient shards of the units its optimizer step streams (the dynamic and stable tiers; every
+    unit in the warm-up, hence the first iteration)."""
     release = grpo.release_grads
     prefilled = micro_batches > 1 or not release
     # Without release megatron's own overlap: every sync starts as its unit is ready.
@@ -267,6 +282,8 @@ def release_memory(g, grpo, units: List[int], weights: List[Dict[str, float]],
                           roles(grpo, kind == "update", ef_tiers))
         if not release:  # every unit's storage is there all the time
             step = [dataclasses.replace(u, syncs=1.0, held=0.0) for u in step]
+        elif shards_away:
+            step = [dataclasses.replace(u, away=w["dynamic"] + w["stable"]) for u, w in zip(step, weights)]
         moment, g.grad_peaks[kind] = grad_timeline(step, g.activations, window, prefilled, release,
                                                    events, last_activations)
         g.step_peaks[kind] = round(base + moment.total)
@@ -278,7 +295,8 @@ def release_memory(g, grpo, units: List[int], weights: List[Dict[str, float]],
         g.grad_shards, g.grad_late_copies = round(best.shards), round(best.late)
     # The first iteration: every unit core, exact and synced after backward; no moments,
     # residuals or accumulators. Without release it holds less than any later step.
-    first = [UnitGrads(n, 4 * n, 4 * (n // shard_ranks), lt, 0, 1.0, 0.0, 0.0)
+    first = [UnitGrads(n, 4 * n, 4 * (n // shard_ranks), lt, 0, 1.0, 0.0, 0.0,
+                       1.0 if shards_away else 0.0)
              for n, lt in zip(units, late)]
     moment, g.grad_peaks["first"] = grad_timeline(first, g.activations, None, prefilled, release,
                                                   events, last_activations)

@@ -92,6 +92,9 @@ def grpo_hooks(cfg):
             placement.add(unit_state(state["built"].optimizer, ctrl))
             placement.begin_step(ctrl.tiers, ctrl.step.stable_update, ctrl.stable_update_next(),
                                  stream_all=not ctrl.tiered)
+            shards = grpo_optimizers(state["built"].optimizer)[0].grad_shards
+            if shards is not None:  # which units' gradient shards leave this step
+                shards.begin_step(ctrl.step.stable_update)
 
     def step_metrics(iteration, wire, step_time):
         rec = state["ctrl"].metrics(wire["by_tag"], step_time)
@@ -108,6 +111,8 @@ def grpo_hooks(cfg):
             # Gradient bytes this rank held at most during the step, and after it (0 expected).
             each = [s.metrics() for s in storages]
             rec["grad_bytes_peak"] = sum(m["grad_bytes_peak"] for m in each)
+            # This rank's shards resident at once, at most (the memory tier moves them away).
+            rec["grad_shard_bytes_peak"] = sum(m["grad_shard_bytes_peak"] for m in each)
             rec["grad_bytes_after_step"] = sum(m["grad_bytes_resident"] for m in each)
             rec["grad_units_full_after_step"] = sum(m["grad_units_full"] for m in each)
             rec["grad_bytes_whole_buffer"] = sum(m["grad_bytes_whole_buffer"] for m in each)

@@ -333,9 +333,15 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
             storage.outstanding.remove(self)
         if self.__dict__.get("_grpo_keep_full") or not self.grpo.unit_active(self.grpo_unit):
             return
+        # With the memory tier, shards of units the optimizer step streams leave at once
+        # (megatron/grad_shards.py).
+        shards = storage.shards if storage.shards is not None and storage.shards.wants(self.grpo_unit) else None
         for i, b in enumerate(self.buckets):
             if not self.grpo.ef.references_grad((self.grpo_unit, i)):
-                b.grpo_grads.release()
+                if shards is not None:
+                    shards.release(self.grpo_unit, i, b.grpo_grads)
+                else:
+                    b.grpo_grads.release()
         storage.released()
 
     def _complete(self) -> None:

@@ -17,7 +17,9 @@ views are re-pointed into it, so a bucket's memory can come and go on its own:
   until the last micro-batch's sync.
 * **shard**: once the bucket's sync has finished, this rank's shard (the part its distributed
   optimizer owns) is copied out and the full storage freed. The optimizer reads the shard
-  (``param_grad``); after the step it is dropped too.
+  (``param_grad``); after the step it is dropped too. With the memory tier the shard of a unit
+  the optimizer step streams is written to host memory or SSD at once and read back just before
+  its unit's update (megatron/grad_shards.py): ``away`` until then, its storage zero bytes.
 
 Parameters megatron reads *after* the data-parallel sync (``finalize_model_grads``: layernorm
 grads all-reduced over tensor-parallel ranks with sequence parallelism, the word embedding
@@ -76,6 +78,7 @@ class BucketGrads:
         self.views = {p: p.main_grad for p in late}
         self.copies: Dict[torch.nn.Parameter, torch.Tensor] = {}
         self.state = FULL                     # zeros, as megatron built it
+        self.on_drop = None                   # set while the shard is placed (grad_shards.py)
         self.peak_bytes = self.resident_bytes()
 
     # -- states ----------------------------------------------------------------------------------
@@ -92,12 +95,14 @@ class BucketGrads:
         self.grad.zero_()
         self.state = FULL
 
-    def release(self) -> None:
-        """After the sync: keep this rank's shard (and the late params' copies), free the rest."""
+    def release(self, into: Optional[torch.Tensor] = None) -> None:
+        """After the sync: keep this rank's shard (and the late params' copies), free the rest.
+        ``into``: the tensor the shard is copied to (the memory tier's registered buffer), else
+        a new one."""
         if self.state != FULL:
             return
         own = self.grad[self.rank * self.shard_len:(self.rank + 1) * self.shard_len]
-        self.shard = own.clone()
+        self.shard = own.clone() if into is None else into.copy_(own)
         for p in self.late:
             copy = p.main_grad.clone()
             self.copies[p] = copy
@@ -109,6 +114,9 @@ class BucketGrads:
         """The step is over (or a new one starts): nothing stays; main_grad views restored."""
         if self.state == FULL:
             self._free()
+        if self.on_drop is not None:
+            self.on_drop()  # the memory tier frees its copy on the device, if any
+            self.on_drop = None
         self.shard = None
         for p, view in self.views.items():
             p.main_grad = view
@@ -122,6 +130,15 @@ class BucketGrads:
         self.grad.untyped_storage().resize_(0)
 
     # -- reads -----------------------------------------------------------------------------------
+    def placed(self, param=None) -> bool:
+        """Is the shard (``param``'s part of it) the memory tier's this step? Then it is read
+        only through the tier (megatron/grad_shards.py), even while still resident with its
+        write in flight: the tier may read the file's bytes back into it at any time. A late
+        param's own copy never leaves."""
+        if param is not None and param in self.copies:
+            return False
+        return self.shard is not None and self.on_drop is not None
+
     def param_grad(self, param, param_range, world_range) -> torch.Tensor:
         """The gradient of the part of ``param`` this rank owns: ``param_range`` in the
         parameter, ``world_range`` in the bucket (megatron's range map)."""
@@ -131,6 +148,11 @@ class BucketGrads:
         if self.state == FULL:
             return self.grad[world_range.start:world_range.end]
         if self.state == SHARD:
+            if self.shard.untyped_storage().nbytes() == 0:
+                # Away: its storage is zero bytes, a read would be undefined, not just stale.
+                raise RuntimeError(f"GRPO memory tier: a gradient shard was read while it is on "
+                                   f"host memory or SSD (rank {self.rank} of its group); it is "
+                                   f"read back for its unit's update only")
             start = world_range.start - self.rank * self.shard_len
             return self.shard[start:start + world_range.size]
         raise RuntimeError(f"GRPO gradient release: the optimizer asked for a gradient of a bucket "
@@ -140,14 +162,21 @@ class BucketGrads:
         if self.state == FULL:
             self.grad.mul_(factor)
         elif self.state == SHARD:
+            if self.placed():
+                raise RuntimeError(f"GRPO memory tier: gradients are scaled after their sync "
+                                   f"(per-token loss) while a shard is away (rank {self.rank}); "
+                                   f"run with --no-grpo-offload-grads")
             self.shard.mul_(factor)
             for copy in self.copies.values():
                 copy.mul_(factor)
 
+    def shard_bytes(self) -> int:
+        """Bytes of its shard on the device (zero while the memory tier holds it away)."""
+        return self.shard.untyped_storage().nbytes() if self.shard is not None else 0
+
     def resident_bytes(self) -> int:
         out = self.nbytes if self.state == FULL else 0
-        if self.shard is not None:
-            out += self.shard.numel() * self.shard.element_size()
+        out += self.shard_bytes()
         out += sum(c.numel() * c.element_size() for c in self.copies.values())
         return out
 
@@ -163,6 +192,8 @@ class GradStorage:
         self.peak = 0
         self.resident = 0
         self.peak_by_bucket: List[int] = []  # each bucket's bytes when the step's peak was reached
+        self.shards = None                   # GradShards of the memory tier (grad_shards.py), if on
+        self.shard_peak = 0                  # most shard bytes resident at once this step
 
     def add(self, grads: BucketGrads) -> None:
         self.buckets.append(grads)
@@ -181,7 +212,7 @@ class GradStorage:
         self.outstanding.clear()
         for b in buckets:
             b.grpo_grads.drop()
-        self.peak = 0
+        self.peak = self.shard_peak = 0
         self._account()
 
     def released(self) -> None:
@@ -197,12 +228,14 @@ class GradStorage:
     def _account(self) -> None:
         each = [g.resident_bytes() for g in self.buckets]
         self.resident = sum(each)
+        self.shard_peak = max(self.shard_peak, sum(g.shard_bytes() for g in self.buckets))
         if self.resident >= self.peak:
             self.peak, self.peak_by_bucket = self.resident, each
 
     def metrics(self) -> Dict[str, float]:
         full = sum(1 for g in self.buckets if g.state == FULL)
         return {"grad_bytes_peak": float(self.peak), "grad_bytes_resident": float(self.resident),
+                "grad_shard_bytes_peak": float(self.shard_peak),
                 "grad_units_full": float(full),
                 # For comparison: megatron's one buffer, and the largest single bucket.
                 "grad_bytes_whole_buffer": float(sum(g.nbytes for g in self.buckets)),

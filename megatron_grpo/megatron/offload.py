@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from megatron_grpo.comm.error_feedback import residual_nbytes
+from megatron_grpo.megatron.grad_shards import GradShards
 from megatron_grpo.megatron.optimizer import grpo_optimizers
 from megatron_grpo.offload import ChunkStore, OffloadConfig
 from megatron_grpo.offload.placement import TierPlacement, planned_bytes
@@ -74,6 +75,10 @@ def build_placement(config: OffloadConfig, optimizer, ctrl, rank: int) -> Option
     if delayed:  # and for an accumulator of every bucket (any unit may become stable)
         sizes += [b.grad_data.numel() * b.grad_data.element_size()
                   for u in ctrl.units for b in u.group.buckets]
+    shards = _grad_storages(ctrl) if moves_grads(config, optimizer, ctrl) else []
+    if shards:  # and for this rank's gradient shard of every bucket
+        sizes += [b.grpo_grads.shard_len * b.grad_data.element_size()
+                  for u in ctrl.units for b in u.group.buckets]
     store_cfg = dataclasses.replace(config)
     if config.target == "ssd":
         if not store_cfg.capacity:
@@ -95,13 +100,42 @@ def build_placement(config: OffloadConfig, optimizer, ctrl, rank: int) -> Option
     if delayed:
         # The delayed stable tier's gradient sums leave with the rest of the stable tier's
         # state (issue 28, item 2): resident only while read, added to, or read by an update.
-        placement.accumulators = OffloadedResiduals(store, target)
+        placement.accumulators = OffloadedResiduals(store, target, prefix="accum")
         ctrl.accum.use_store(placement.accumulators)
+    if shards:
+        # Gradient shards of the units the optimizer step streams leave right after their
+        # sync and come back for their unit's update (megatron/grad_shards.py).
+        placement.grads = OffloadedResiduals(store, target, prefix="grad")
+        grad_shards = GradShards(placement.grads, placement, ctrl, grpo_optimizers(optimizer))
+        for storage in shards:
+            storage.shards = grad_shards
+        for opt in grpo_optimizers(optimizer):
+            opt.grad_shards = grad_shards
     for oi, opt in enumerate(grpo_optimizers(optimizer)):
         opt.placement = placement
         if config.stream:
             _window_inner_step(oi, opt, placement, ctrl)
     return placement
+
+
+def moves_grads(config: OffloadConfig, optimizer, ctrl) -> bool:
+    """Do gradient shards go through the placement (--grpo-offload-grads)? They need gradient
+    release (shards of their own), the streamed optimizer step (which reads them back), one
+    distributed optimizer (with several, megatron's chained step takes the norm over all of
+    them itself, so the clipping of shards read back later could not know it) and no zero
+    count (megatron counts zeros in every gradient before the step)."""
+    opts = grpo_optimizers(optimizer)
+    return (config.target != "none" and config.stream and config.grads and len(opts) == 1
+            and not opts[0].config.log_num_zeros_in_grad and bool(_grad_storages(ctrl)))
+
+
+def _grad_storages(ctrl) -> list:
+    out = {}
+    for u in ctrl.units:
+        storage = getattr(u.group, "grpo_storage", None)
+        if storage is not None:
+            out[id(storage)] = storage
+    return list(out.values())
 
 
 def _window_inner_step(oi: int, opt, placement: TierPlacement, ctrl) -> None:
@@ -126,9 +160,10 @@ def _window_inner_step(oi: int, opt, placement: TierPlacement, ctrl) -> None:
         unit_of = {id(shard): ctrl.unit_of_bucket[id(opt._bucket_of(mp))] for mp, shard in opt._pairs()}
         streamed, rest = {}, []
         wanted = set(windows)
+        away = {id(shard) for pairs in opt._grads_away.values() for _, shard in pairs}
         for group in inner.param_groups:
             for p in group["params"]:
-                if _grad(p) is None:
+                if _grad(p) is None and id(p) not in away:  # a gradient away comes back
                     continue
                 unit = unit_of.get(id(p))
                 if unit in wanted:
@@ -139,6 +174,7 @@ def _window_inner_step(oi: int, opt, placement: TierPlacement, ctrl) -> None:
         result = step_only(rest, closure) if rest else None
 
         def update(unit):
+            opt.bring_grads(unit)
             step_only(streamed[unit])
             # Adam creates a parameter's moments at its first update: registered now, they
             # leave with this unit's state. Registered only at the next step, every unit's
@@ -151,6 +187,9 @@ def _window_inner_step(oi: int, opt, placement: TierPlacement, ctrl) -> None:
 
         placement.stream([w for w in windows if w in streamed], update)
         counters.end()
+        if opt.grads_still_away():  # would be a unit silently not updated
+            raise RuntimeError(f"GRPO memory tier: gradients of units {opt.grads_still_away()} "
+                               f"went away but their units were not in this step's stream")
         # A streamed unit with no gradient on this rank was not stepped, so its weights did
         # not change, and its master is away: megatron's copy after the step must skip it.
         opt._grpo_copied_units.update(w for w in windows if w not in streamed)

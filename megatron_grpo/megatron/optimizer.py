@@ -7,7 +7,9 @@ thin overrides:
   ``grad = None``, so torch Adam skips them (no moment drift, no weight decay) and the global
   gradient norm (hence clipping) is taken over the gradients actually applied; with gradient
   release the others read the shard each bucket kept after its sync (megatron/grad_storage.py),
-  megatron's whole-model buffer being gone.
+  megatron's whole-model buffer being gone. A shard the memory tier holds away
+  (megatron/grad_shards.py) is read back just before its unit's update (``bring_grads``); until
+  then its norm stands in for it (``get_main_grads_for_grad_norm``) and its clipping waits.
 * ``_copy_main_params_to_model_params``: a compressed unit's (dynamic, or core with
   --grpo-core-compressor) updated master shard goes to a staging
   buffer instead of the parameter buffer, quantised against the model copy once complete
@@ -38,10 +40,13 @@ class GRPODistributedOptimizer(DistributedOptimizer):
     grpo = None  # GRPOController, bound by bind()
     placement = None  # TierPlacement of the memory tier (--grpo-offload), set by build_placement
     outer_sync = None  # OuterSync of the periodic tiers between instances (megatron/outer.py)
+    grad_shards = None  # GradShards of the memory tier (megatron/grad_shards.py), if gradients move
 
     def bind(self, controller) -> None:
         self.grpo = controller
         self._grpo_copied_units = set()  # units whose weights the memory tier's stream copied
+        self._grads_away: Dict[int, list] = {}  # unit -> [(model param, shard)] whose grad is away
+        self._norm = None  # this step's gradient norm, for the clipping of gradients away
         # Separate master storage for fp32 params (bf16 params already have fp32 masters).
         for group in self.shard_fp32_groups:
             for shard in group:
@@ -70,18 +75,82 @@ class GRPODistributedOptimizer(DistributedOptimizer):
             return super()._copy_model_grads_to_main_grads()
         if self.outer_sync is not None:
             self.outer_sync.capture()  # before the inner step: anchors of newly periodic units
+        self._grads_away, self._norm = {}, None
         for model_param, shard in self._pairs():
             bucket = self._bucket_of(model_param)
-            if not ctrl.unit_active(ctrl.unit_of_bucket[id(bucket)]):
+            unit = ctrl.unit_of_bucket[id(bucket)]
+            if not ctrl.unit_active(unit):
                 shard.grad = None
                 continue
-            ranges = self._get_model_param_range_map(model_param)
             grads = getattr(bucket, "grpo_grads", None)
-            if grads is None:  # megatron's own: a view of the whole-model gradient buffer
-                grad = model_param.main_grad.view(-1)[ranges["param"].start:ranges["param"].end]
-            else:  # --grpo-release-grads: the shard kept after the sync (grad_storage.py)
-                grad = grads.param_grad(model_param, ranges["param"], ranges["gbuf_world_in_bucket"])
-            shard.grad = grad.float()
+            if grads is not None and grads.placed(model_param):
+                # On host memory or SSD until its unit's update (bring_grads).
+                shard.grad = None
+                self._grads_away.setdefault(unit, []).append((model_param, shard))
+                continue
+            shard.grad = self._main_grad(model_param, bucket)
+        if self._grads_away:
+            # Backward is over: start reading back the shards the step updates first.
+            self.grad_shards.expect([u for u in self.placement.windows(ctrl.step.stable_update)
+                                     if u in self._grads_away])
+
+    def _main_grad(self, model_param, bucket) -> torch.Tensor:
+        ranges = self._get_model_param_range_map(model_param)
+        grads = getattr(bucket, "grpo_grads", None)
+        if grads is None:  # megatron's own: a view of the whole-model gradient buffer
+            grad = model_param.main_grad.view(-1)[ranges["param"].start:ranges["param"].end]
+        else:  # --grpo-release-grads: the shard kept after the sync (grad_storage.py)
+            grad = grads.param_grad(model_param, ranges["param"], ranges["gbuf_world_in_bucket"])
+        return grad.float()
+
+    def bring_grads(self, unit: int) -> list:
+        """The memory tier's stream, before ``unit``'s update: its gradient shards back on the
+        device as main grads, clipped as megatron clipped the resident ones (its own function,
+        the same norm: the same multiplication). Returns the shard params given a gradient."""
+        pairs = self._grads_away.pop(unit, [])
+        if not pairs:
+            return []
+        self.grad_shards.fetch(unit)
+        for model_param, shard in pairs:
+            shard.grad = self._main_grad(model_param, self._bucket_of(model_param))
+        if self.config.clip_grad > 0.0:
+            from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+            if self._norm is None:
+                raise RuntimeError("GRPO memory tier: gradients came back for an update before "
+                                   "the step's gradient norm was taken")
+            clip_grad_by_total_norm_fp32([s for _, s in pairs], self.config.clip_grad, self._norm,
+                                         self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+        return [s for _, s in pairs]
+
+    def grads_still_away(self) -> List[int]:
+        """Units whose gradients were away and never brought back this step (must be none)."""
+        return sorted(self._grads_away)
+
+    # -- replaces MegatronOptimizer.get_main_grads_for_grad_norm -----------------------------------
+    def get_main_grads_for_grad_norm(self):
+        """megatron's list, with each gradient the memory tier holds away represented by its
+        norm taken at release (a one-element tensor: its norm is that norm exactly), in the
+        same place in the list."""
+        if not self._grads_away:
+            return super().get_main_grads_for_grad_norm()
+        from megatron.core import tensor_parallel
+        from megatron.core.transformer.module import param_is_not_shared
+
+        away = {id(s) for pairs in self._grads_away.values() for _, s in pairs}
+        decoupled = self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+        out = []
+        for param in self.get_parameters():
+            if id(param) in away:
+                grad = self.grad_shards.norm_of(param).reshape(1)
+            elif decoupled:
+                grad = getattr(param, "decoupled_grad", None)
+            else:
+                grad = param.grad
+            if grad is not None and param_is_not_shared(param) and \
+                    tensor_parallel.param_is_not_tensor_parallel_duplicate(param, getattr(self, "tp_group", None)):
+                out.append(grad)
+        return out
 
     # -- extends DistributedOptimizer.prepare_grads (megatron's found-inf path) --------------------
     @torch.no_grad()
@@ -103,6 +172,9 @@ class GRPODistributedOptimizer(DistributedOptimizer):
         flag = torch.full((1,), 1.0 if found else 0.0, dtype=torch.float32, device=device)
         grads = [shard.grad for _, shard in self._pairs() if shard.grad is not None] if not found else []
         grads += [g for g in ctrl.held_gradients()] if not found else []
+        if not found:  # gradients away: their norms, taken at release, say as much
+            grads += [self.grad_shards.norm_of(s).reshape(1)
+                      for pairs in self._grads_away.values() for _, s in pairs]
         if grads:
             # Sum of norms is finite iff every gradient is (one fused kernel per dtype).
             norms = torch._foreach_norm(grads)
@@ -136,12 +208,15 @@ class GRPODistributedOptimizer(DistributedOptimizer):
         Every instance uses sqrt(mean over instances of norm^2) instead: the same norm for a
         synced model, one common coefficient everywhere."""
         norm = super().get_grad_norm()
-        if self.outer_sync is None:
-            return norm
-        return self.outer_sync.common_norm(norm)
+        if self.outer_sync is not None:
+            norm = self.outer_sync.common_norm(norm)
+        self._norm = norm  # the clipping of gradients brought back later uses it
+        return norm
 
     def clip_grad_norm(self, clip_grad: float) -> float:
-        if self.outer_sync is None:
+        """megatron's, with the norm from get_grad_norm (megatron's own takes it directly); the
+        gradients away are clipped when they come back (bring_grads)."""
+        if self.outer_sync is None and not self._grads_away:
             return super().clip_grad_norm(clip_grad)
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 

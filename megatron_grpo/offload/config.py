@@ -50,6 +50,11 @@ class OffloadConfig:
     """With --grpo-offload cpu|ssd: the dynamic tier's error-feedback residuals (one fp32 copy
     of each dynamic bucket on every rank) also live away between their read in backward and
     their write after the optimizer step; a few are resident at a time."""
+    grads: bool = True
+    """With --grpo-offload cpu|ssd, --grpo-offload-stream and gradient release: the gradient
+    shard of every unit the optimizer step streams goes to host memory or SSD right after its
+    sync and comes back just before its unit's update, instead of every shard staying resident
+    from its sync to the step (the gradient norm and clipping use norms taken at release)."""
     offload_dir: Optional[str] = None
     """Directory for the SSD tier: one preallocated file per rank, grpo-offload-rankNNNNN.bin.
     Use a local disk; None means no SSD tier (needed with --grpo-offload ssd)."""

@@ -83,6 +83,7 @@ class TierPlacement:
         self.stall_s = 0.0  # time the training loop waited for prefetches, this step
         self.residuals = None  # OffloadedResiduals of the error feedback, when offloaded
         self.accumulators = None  # OffloadedResiduals of the delayed stable accumulators
+        self.grads = None  # OffloadedResiduals of gradient shards (the glue's GradShards drives it)
         self.stream_everything = False  # this step streams core units too (GRPO's warm-up)
         self._last_stats = store.stats()
         self.tiers: Sequence[str] = ()
@@ -310,7 +311,8 @@ class TierPlacement:
             "offload_bytes_written": written, "offload_bytes_read": read,
             "offload_io_busy_s": busy, "offload_stall_s": stall,
         }
-        for name, kept in (("residuals", self.residuals), ("accumulators", self.accumulators)):
+        for name, kept in (("residuals", self.residuals), ("accumulators", self.accumulators),
+                           ("grads", self.grads)):
             if kept is not None:
                 # Counted like resident_bytes: a write in flight is where it goes.
                 resident = sum(kept.device_bytes_by_key().values())
@@ -330,8 +332,9 @@ class TierPlacement:
         return rec
 
     def _kept(self) -> list:
-        """The stores of state read and written every step (residuals, accumulators)."""
-        return [k for k in (self.residuals, self.accumulators) if k is not None]
+        """The stores of state read and written every step (residuals, accumulators, gradient
+        shards)."""
+        return [k for k in (self.residuals, self.accumulators, self.grads) if k is not None]
 
     def close(self) -> None:
         """Bring everything back, then close the store (its file is deleted). Residuals are

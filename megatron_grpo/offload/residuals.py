@@ -43,7 +43,8 @@ RESIDENT, EVICTING, AWAY, FETCHING = "resident", "evicting", "away", "fetching"
 class OffloadedResiduals:
     """Residuals keyed like ErrorFeedback's ((unit, bucket index)), kept in ``store``."""
 
-    def __init__(self, store: ChunkStore, target: str = "ssd", lookahead: int = 2):
+    def __init__(self, store: ChunkStore, target: str = "ssd", lookahead: int = 2,
+                 prefix: str = "ef"):
         if target not in ("cpu", "ssd"):
             raise ValueError(f"offload: OffloadedResiduals target must be cpu or ssd, got {target!r}")
         self.store, self.target, self.lookahead = store, target, lookahead
@@ -55,6 +56,7 @@ class OffloadedResiduals:
         self._seen: List[Hashable] = []
         self._writes: List[Hashable] = []  # keys whose write-out is in flight, oldest first
         self._names = 0
+        self.prefix = prefix  # of the names it registers: unique per store user
         self.stall_s = 0.0
         self.resident_at_start = 0
 
@@ -78,6 +80,18 @@ class OffloadedResiduals:
             for key in self._order[:self.lookahead]:
                 self._fetch(key)
         self.resident_at_start = self.nbytes()
+
+    def expect(self, keys) -> None:
+        """This step reads ``keys`` in this order: ``get`` looks ahead in it instead of in last
+        step's order."""
+        self._order = list(keys)
+
+    def prefetch(self, keys) -> None:
+        """Start reading these back now (the first reads of a step whose writes happen in
+        the same step, so ``begin_step`` had nothing to read ahead: gradient shards)."""
+        for key in keys:
+            if key in self._tensors:
+                self._fetch(key)
 
     def get(self, key: Hashable, default=None) -> Optional[Residual]:
         tensor = self._tensors.get(key)
@@ -137,7 +151,7 @@ class OffloadedResiduals:
             if not isinstance(value, QuantisedResidual):
                 value = value.contiguous()
             self._names += 1
-            self._ids[key] = self.store.register(f"ef{self._names}/{key}", backing_tensor(value))
+            self._ids[key] = self.store.register(f"{self.prefix}{self._names}/{key}", backing_tensor(value))
             self._tensors[key] = value
         self._state[key] = RESIDENT
         self._evict(key)

@@ -12,7 +12,9 @@ placement in tier order, and the first that fits the budget is used:
    ``resident`` is taken first);
 3. ``stream``: the dynamic and stable tiers' fp32 masters and Adam moments live away and pass
    through the optimizer step a unit at a time (--grpo-offload-stream);
-4. ``stream+residuals``: their error-feedback residuals live away too (--grpo-offload-residuals).
+4. ``stream+residuals``: their error-feedback residuals live away too (--grpo-offload-residuals);
+5. ``stream+residuals+grads``: and their gradient shards, from their sync to their update
+   (--grpo-offload-grads).
 
 Core state stays resident at every level.
 
@@ -33,9 +35,10 @@ from typing import Dict, List, Tuple
 
 LEVELS: List[Tuple[str, Dict]] = [
     ("resident", {"target": "none"}),
-    ("stable", {"stream": False, "residuals": False}),
-    ("stream", {"stream": True, "residuals": False}),
-    ("stream+residuals", {"stream": True, "residuals": True}),
+    ("stable", {"stream": False, "residuals": False, "grads": False}),
+    ("stream", {"stream": True, "residuals": False, "grads": False}),
+    ("stream+residuals", {"stream": True, "residuals": True, "grads": False}),
+    ("stream+residuals+grads", {"stream": True, "residuals": True, "grads": True}),
 ]
 GB = 1e9
 

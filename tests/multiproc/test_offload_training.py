@@ -98,9 +98,21 @@ def test_state_streams_through_the_optimizer_step_and_stays_away_between(runs):
         assert r["mem_residuals_dynamic"] == 0 < p["mem_residuals_dynamic"], k
         if k % 4:  # between updates: every stable unit has a sum
             assert r["mem_accumulators_stable"] == 0 < p["mem_accumulators_stable"], k
-        # Gradients are not the tier's: the same at the step's peak with and without it.
+        # The gradient peak is every unit full (two micro-batches: all syncs after backward),
+        # the same with and without the tier.
         assert all(r[f"mem_grads_{t}"] == p[f"mem_grads_{t}"] for t in ("core", "dynamic", "stable"))
         assert r["mem_grads_stable"] > 0  # delayed units hold theirs until the step's end
+    # Gradient shards (--grpo-offload-grads, the default with the tier): a streamed unit's
+    # shard is written out at its sync and read back for its update, so at most the last
+    # three writes are resident (all units during the warm-up, the dynamic and stable ones
+    # after it); without the tier every shard stays from its sync to the step.
+    for k in range(1, ITERS + 1):
+        r, p = by_iter[k], plain[k]
+        largest_shard = r["grad_bytes_largest_bucket"] / 2  # dp = 2
+        assert r["grad_shard_bytes_peak"] < p["grad_shard_bytes_peak"], k
+        if k <= 8:
+            assert r["grad_shard_bytes_peak"] <= 3 * largest_shard < p["grad_shard_bytes_peak"], k
+        assert r["offload_bytes_grads_ssd"] > 0 and r["offload_bytes_grads_device"] == 0, k
     # A stable update reads the stable state back too: more bytes than the steps around it.
     assert by_iter[12]["offload_bytes_read"] > by_iter[10]["offload_bytes_read"]
     assert by_iter[10]["offload_bytes_read"] == by_iter[11]["offload_bytes_read"]

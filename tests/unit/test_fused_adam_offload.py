@@ -34,7 +34,14 @@ class FakeOptimizer:
         self.shards = shards  # [(unit, shard)]
         self.buckets = {u: object() for u in range(len(TIERS))}
         self._grpo_copied_units = set()
+        self._grads_away = {}  # no gradient shard is away here (tests/unit/test_grad_shards.py)
         self.copied = []
+
+    def bring_grads(self, unit):
+        return []
+
+    def grads_still_away(self):
+        return []
 
     def _pairs(self):
         return [((u, i), s) for i, (u, s) in enumerate(self.shards)]

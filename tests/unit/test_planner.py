@@ -290,6 +290,16 @@ def test_release_timeline_by_hand():
     assert (_moment(best), grads) == ((8000, 4000, 0, 4000, 0), 4000)
 
 
+def test_shards_the_memory_tier_moves_keep_only_its_last_writes():
+    # Five units, every sync after backward, each staging a 1000-byte residual: the peak is the
+    # last sync's stage, with unit 4 still full (400). Without the tier the four earlier shards
+    # are resident (800); with --grpo-offload-grads (away = 1) only its last three writes (600).
+    for away, shards in ((0.0, 800), (1.0, 600)):
+        units = [UnitGrads(100, 400, 200, 0, 1000, 1.0, 0.0, 1.0, away) for _ in range(5)]
+        best, grads = grad_timeline(units, 0, None, prefilled=False)
+        assert (_moment(best), grads) == ((5400 + shards, 400, shards, 5000, 0), 2000)
+
+
 def test_release_timeline_follows_parameters_and_frees_activations():
     # Unit 1's first gradient comes before unit 0's last (as linear_proj's bias does), and 500
     # bytes of activations go with unit 1's last parameter.
