@@ -186,6 +186,12 @@ class GRPOConfig:
     rank's shard stays, until the optimizer step has used it. Frozen stable units hold none.
     Off: megatron's one gradient buffer for the whole model, resident all the time
     (docs/offload.md, "Gradient memory")."""
+    first_batch_overlap: bool = True
+    """With --overlap-grad-reduce and gradient release: in the first iteration too, a unit's
+    sync starts once each of its parameters' gradients is ready. megatron's first batch waits
+    for the end of backward instead (it learns how often each gradient hook fires), so every
+    unit's full gradient is resident at once: the run's peak. A hook firing again after its
+    unit's sync started is an error naming the parameter; turn this off for such a model."""
     grad_units_in_flight: int = 2
     """With --overlap-grad-reduce: at most this many units' syncs are outstanding during
     backward; before another starts, the oldest is waited for and its full gradient released.

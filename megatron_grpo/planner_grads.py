@@ -298,8 +298,11 @@ def release_memory(g, grpo, units: List[int], weights: List[Dict[str, float]],
     first = [UnitGrads(n, 4 * n, 4 * (n // shard_ranks), lt, 0, 1.0, 0.0, 0.0,
                        1.0 if shards_away else 0.0)
              for n, lt in zip(units, late)]
-    moment, g.grad_peaks["first"] = grad_timeline(first, g.activations, None, prefilled, release,
-                                                  events, last_activations)
+    # megatron's first batch syncs after backward, unless GRPO starts each sync as its unit is
+    # ready (--grpo-first-batch-overlap, with release and overlap).
+    early = release and grpo.first_batch_overlap and window is not None
+    moment, g.grad_peaks["first"] = grad_timeline(first, g.activations, window if early else None,
+                                                  prefilled, release, events, last_activations)
     g.step_peaks["first"] = round(g.params + g.master_params + moment.total)
     g.first_iteration = g.step_peaks["first"] if release else 0
     g.grad_peaks = {k: round(v) for k, v in g.grad_peaks.items()}

@@ -284,6 +284,27 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
             b.grad_data.div_(count + 1)
             self.grpo.accum.release(key)  # with the memory tier: its device copy goes at once
 
+    # -- extends _ParamAndGradBucketGroup.register_grad_ready (overlap_grad_reduce) --------------
+    def register_grad_ready(self, param, force_all_reduce: Optional[bool] = False):
+        """megatron's, and in the first batch (--grpo-first-batch-overlap, with gradient release)
+        the unit's sync starts once every parameter's gradient is ready, as in later batches,
+        instead of after backward: otherwise every unit is full at once then (the peak)."""
+        super().register_grad_ready(param, force_all_reduce)
+        if not (self.is_first_batch and self.is_last_microbatch and self.grpo is not None
+                and self.grpo_storage is not None and self.grpo.config.first_batch_overlap):
+            return
+        counts = self.per_param_grad_ready_counts
+        if self.__dict__.get("_grpo_first_started"):
+            raise RuntimeError(
+                f"rank {torch.distributed.get_rank()}: GRPO first-batch overlap: a gradient hook of "
+                f"unit {self.grpo_unit} ({self.grpo.units[self.grpo_unit].name}) ran "
+                f"{counts[param]} times in one backward, after the unit's sync had "
+                f"started; run with --no-grpo-first-batch-overlap (megatron then learns the "
+                f"count in the first batch)")
+        if len(counts) == len(self.params):
+            self.__dict__["_grpo_first_started"] = True
+            self.start_grad_sync(force_all_reduce)
+
     # -- replaces _ParamAndGradBucketGroup.finish_grad_sync ------------------------------------
     def finish_grad_sync(self, force_all_reduce: bool = False):
         if self.grpo is None:
@@ -303,6 +324,7 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
     # -- extends _ParamAndGradBucketGroup.reset (zero_grad_buffer) ----------------------------------
     def reset(self):
         self.__dict__.pop("_grpo_completed", None)  # a step that ended by an exception
+        self.__dict__.pop("_grpo_first_started", None)
         super().reset()
 
     # -- gradient release (megatron/grad_storage.py) -------------------------------------------------

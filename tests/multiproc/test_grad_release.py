@@ -40,16 +40,24 @@ def test_release_is_bit_identical_and_leaves_nothing(stdlib_data, tmp_path, mode
 def test_warmup_peak_is_units_in_flight_plus_shards(stdlib_data, tmp_path):
     """During the exact warm-up (every unit synced by megatron's reduce-scatter) with one
     micro-batch, at most window + 1 units are full at once on top of this rank's shards (half
-    of the buffer at dp 2); megatron's buffer is the whole model. Iteration 1 is megatron's
-    first batch (syncs after backward): full."""
+    of the buffer at dp 2); megatron's buffer is the whole model. Iteration 1 too: GRPO starts
+    each sync as its unit is ready in megatron's first batch (--grpo-first-batch-overlap);
+    without that, megatron syncs after backward then, and every unit is full."""
     window = 1
-    on, _ = _pair(tmp_path, "w", 2, [stdlib_data, *ONE_MICROBATCH, "--grpo-grad-units-in-flight",
-                                     str(window), "--grpo-warmup-iters", "8"], iters=8)
+    args = [stdlib_data, *ONE_MICROBATCH, "--grpo-grad-units-in-flight", str(window),
+            "--grpo-warmup-iters", "8"]
+    on, off = _pair(tmp_path, "w", 2, args, iters=8)
     whole, largest = on[0]["grad_bytes_whole_buffer"], on[0]["grad_bytes_largest_bucket"]
-    assert on[0]["grad_bytes_peak"] == whole
-    for r in on[1:]:
+    for r in on:
         assert r["grad_bytes_peak"] <= whole / 2 + (window + 1) * largest, r
         assert r["grad_bytes_peak"] < 0.75 * whole, r
+    late = train_and_read(tmp_path, "w_late", 2, [
+        *SMALL_MODEL, *GRPO_SMALL, "--data-path", *args, "--train-iters", "8",
+        "--eval-interval", "1000", "--no-grpo-first-batch-overlap"], timeout=600)
+    assert late[0]["grad_bytes_peak"] == whole
+    assert all(r["grad_bytes_peak"] < 0.75 * whole for r in late[1:])
+    # Where the syncs start changes no bit.
+    assert [r["loss"] for r in on] == [r["loss"] for r in off] == [r["loss"] for r in late]
 
 
 def test_pipeline_stages_release_bit_identically(stdlib_data, tmp_path):

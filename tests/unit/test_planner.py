@@ -373,8 +373,13 @@ def test_release_plan_by_hand_frozen_and_delayed_windows_and_dtypes():
     assert delayed.grad_peaks["between"] == 4 * (15744 + 36864) + 2 * (36864 + 37248 + 37248 + 46592 + 37248) \
         + 4 * (28288 + 28288) == 827136
     assert delayed.grad_peaks["update"] == 713984
-    # The first iteration (megatron's first batch): every unit full at the end of backward.
-    assert frozen.grad_peaks["first"] == delayed.grad_peaks["first"] == 4 * sum(units) == 1217536
+    # The first iteration (megatron's first batch): every unit syncs as it is ready, as on an
+    # update step (--grpo-first-batch-overlap); without it megatron syncs after backward then,
+    # and every unit is full at the end of backward.
+    assert frozen.grad_peaks["first"] == frozen.grad_peaks["update"] == 790784
+    assert delayed.grad_peaks["first"] == delayed.grad_peaks["update"] == 713984
+    late = _release_plan(stable_mode="frozen", first_batch_overlap=False).grpo_memory
+    assert late.grad_peaks["first"] == 4 * sum(units) == 1217536
     # Residuals of the dynamic units, committed, and the same again staged by the step's end.
     for dtype, expected in (("fp32", 4 * sum(dyn)), ("bf16", 2 * sum(dyn)),
                             ("int8", 260 * sum(-(-n // 256) for n in dyn))):
