@@ -295,8 +295,9 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
             return
         counts = self.per_param_grad_ready_counts
         if self.__dict__.get("_grpo_first_started"):
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
             raise RuntimeError(
-                f"rank {torch.distributed.get_rank()}: GRPO first-batch overlap: a gradient hook of "
+                f"rank {rank}: GRPO first-batch overlap: a gradient hook of "
                 f"unit {self.grpo_unit} ({self.grpo.units[self.grpo_unit].name}) ran "
                 f"{counts[param]} times in one backward, after the unit's sync had "
                 f"started; run with --no-grpo-first-batch-overlap (megatron then learns the "

@@ -1,5 +1,7 @@
-"""Gradient shards through the memory tier (megatron/grad_shards.py), the parts that need no
-training run: the norm stand-in is exact, and a placed shard is read only through the tier."""
+"""Gradient memory, the parts that need no training run: the norm standing in for a gradient
+shard the memory tier holds away is exact (megatron/grad_shards.py), a placed shard is read
+only through the tier, and the first batch's syncs start as their units are ready
+(GRPOBucketGroup.register_grad_ready)."""
 
 import pytest
 import torch
@@ -49,3 +51,47 @@ def test_a_placed_shard_is_read_only_through_the_tier():
         grads.param_grad(None, _Range(0, 2), _Range(5, 7))
     grads.drop()
     assert dropped == [True] and grads.on_drop is None and not grads.placed()
+
+
+class _Ctrl:
+    class config:
+        first_batch_overlap = True
+
+    class _Unit:
+        name = "decoder.layers.0 (+3 more)"
+
+    units = [_Unit()]
+
+
+def _first_batch_group():
+    from types import SimpleNamespace
+
+    from megatron_grpo.megatron.bucket_group import GRPOBucketGroup
+
+    group = GRPOBucketGroup.__new__(GRPOBucketGroup)  # the state register_grad_ready reads
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    group.__dict__.update(
+        ddp_config=SimpleNamespace(overlap_grad_reduce=True), is_last_microbatch=True,
+        is_first_batch=True, params=[a, b], param_to_bucket={a: 0, b: 0},
+        per_param_grad_ready_counts={}, golden_per_param_grad_ready_counts={},
+        grpo=_Ctrl(), grpo_unit=0, grpo_storage=object())
+    started = []
+    group.start_grad_sync = lambda force_all_reduce=False: started.append(force_all_reduce)
+    return group, a, b, started
+
+
+def test_first_batch_sync_starts_when_every_gradient_is_ready_and_a_late_hook_is_an_error():
+    group, a, b, started = _first_batch_group()
+    group.register_grad_ready(a)
+    assert started == []  # megatron's own first batch would wait for the end of backward
+    group.register_grad_ready(b)
+    assert started == [False]
+    with pytest.raises(RuntimeError, match=r"unit 0 \(decoder.layers.0 \(\+3 more\)\) ran 2 times .*"
+                                           r"--no-grpo-first-batch-overlap"):
+        group.register_grad_ready(a)
+    # Off: megatron's behaviour (nothing starts before finish_grad_sync).
+    group, a, b, started = _first_batch_group()
+    group.grpo.config = type("C", (), {"first_batch_overlap": False})
+    group.register_grad_ready(a)
+    group.register_grad_ready(b)
+    assert started == []
