@@ -7,7 +7,7 @@ parameters of a dtype and keeps it for the whole run; every bucket's ``grad_data
 parameter's ``main_grad`` are views into it. Here each bucket gets its own tensor, and the
 views are re-pointed into it, so a bucket's memory can come and go on its own:
 
-* **empty** (after ``zero_grad_buffer``): the storage has zero bytes. The tensor objects stay
+* **empty** (from the start, and after ``zero_grad_buffer``): the storage has zero bytes. The tensor objects stay
   (megatron, its hooks and GRPO hold the same ``grad_data`` and ``main_grad``), as in megatron's
   own ``offload_grad_buffers``: ``untyped_storage().resize_``.
 * **full**: allocated (and zeroed) just before the first gradient of the step is written into
@@ -77,7 +77,8 @@ class BucketGrads:
         self.late = late                      # params with a copy of their own after the sync
         self.views = {p: p.main_grad for p in late}
         self.copies: Dict[torch.nn.Parameter, torch.Tensor] = {}
-        self.state = FULL                     # zeros, as megatron built it
+        # Empty from the start (cut_buffer): allocated when backward first writes to it.
+        self.state = FULL if self.grad.untyped_storage().nbytes() else EMPTY
         self.on_drop = None                   # set while the shard is placed (grad_shards.py)
         self.peak_bytes = self.resident_bytes()
 
@@ -257,11 +258,16 @@ def cut_buffer(ddp, storage: GradStorage) -> None:
     for buffer in ddp.buffers + ddp.expert_parallel_buffers:
         for bucket in buffer.buckets:
             old = bucket.grad_data
-            own = torch.zeros(old.numel(), dtype=old.dtype, device=old.device)
+            # Zero bytes until backward first writes to it (BucketGrads.ensure allocates and
+            # zeroes it): allocating every bucket here, while megatron's whole buffer is still
+            # referenced, would hold the model's gradients twice at setup, the run's peak under
+            # the memory tier (measured: bench memcap's larger sizes were killed before step 1).
+            own = torch.empty(old.numel(), dtype=old.dtype, device=old.device)
             base, size = old.data_ptr(), old.element_size()
             for p in bucket.params_list:
                 start = (p.main_grad.data_ptr() - base) // size
                 p.main_grad = own[start:start + p.numel()].view(p.shape)
+            own.untyped_storage().resize_(0)  # after the views: a view is checked against it
             bucket.grad_data = own
             group = group_of[id(bucket)].intra_distributed_optimizer_instance_group
             late = [p for p in bucket.params_list
