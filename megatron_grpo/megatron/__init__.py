@@ -125,7 +125,9 @@ def grpo_hooks(cfg):
 
     def finish():
         if state["placement"] is not None:
-            state["placement"].close()
+            # The run is over and its last checkpoint written: nothing reads the state again,
+            # so it is not brought back (that was the run's peak with the memory tier).
+            state["placement"].close(restore=False)
             state["placement"] = None
 
     def checkpoint_state():

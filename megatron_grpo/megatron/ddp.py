@@ -15,19 +15,52 @@ With ``release_grads`` (the default) and the distributed optimizer it also cuts 
 buffer into storage per bucket that comes and goes within a step (megatron/grad_storage.py):
 DDP's gradient-accumulation hook first makes its bucket's storage resident
 (``_make_backward_post_hook``), and with ``gradient_accumulation_fusion`` a hook on each
-module's output gradient does so before the module's wgrad GEMM writes ``main_grad``.
+module's output gradient does so before the module's wgrad GEMM writes ``main_grad``. megatron's
+whole-model gradient buffer is then never allocated: while megatron builds its buffers it is made
+on the meta device (``_GradBufferOnMeta``), so setup holds the parameters and their buffer copy,
+not the gradients too (measured: that was the peak of a run with the memory tier, bench memcap).
 
 Without ``grpo_config``, or with GRPO disabled, it is megatron's class in every configuration
 (bucket layout, later stages, ``disable_bucketing``): code that swaps it in for megatron's, such
 as megatron-core's own unit tests, sees megatron's behaviour.
 """
 
+import contextlib
+import sys
+
 import torch
+from torch.overrides import TorchFunctionMode
 
 from megatron.core.distributed import DistributedDataParallel
+from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
 
 from megatron_grpo.config import default_bucket_elements
 from megatron_grpo.megatron.grad_storage import GradStorage, cut_buffer
+
+
+class _GradBufferOnMeta(TorchFunctionMode):
+    """While megatron's DDP builds its buffers: the ``torch.zeros`` that
+    ``_ParamAndGradBuffer.__init__`` (0.16.1) makes the whole-model gradient buffer with (the one
+    after ``param_data``, which the distributed optimizer has) goes to the meta device. Its views
+    (``main_grad``, each bucket's ``grad_data``) are meta tensors until ``cut_buffer`` gives
+    every bucket storage of its own, before anything reads them."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.zeros and self._grad_buffer():
+            kwargs = {**kwargs, "device": "meta"}
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _grad_buffer() -> bool:
+        frame = sys._getframe(1)
+        for _ in range(4):  # the caller, past any dispatch frames
+            if frame is None:
+                return False
+            if frame.f_code is _ParamAndGradBuffer.__init__.__code__:
+                return getattr(frame.f_locals.get("self"), "param_data", None) is not None
+            frame = frame.f_back
+        return False
 
 
 class GRPODistributedDataParallel(DistributedDataParallel):
@@ -48,8 +81,10 @@ class GRPODistributedDataParallel(DistributedDataParallel):
                 requested = default_bucket_elements(ps.get_data_parallel_world_size())
         self.__dict__["_grpo_requested_bucket_size"] = requested
         self.__dict__["grpo_grad_storage"] = None
-        super().__init__(config, ddp_config, module, *args, **kwargs)
-        if requested is not None and grpo_config.release_grads and ddp_config.use_distributed_optimizer:
+        release = requested is not None and grpo_config.release_grads and ddp_config.use_distributed_optimizer
+        with _GradBufferOnMeta() if release else contextlib.nullcontext():
+            super().__init__(config, ddp_config, module, *args, **kwargs)
+        if release:
             storage = GradStorage(grpo_config.grad_units_in_flight)
             cut_buffer(self, storage)
             self.__dict__["grpo_grad_storage"] = storage

@@ -257,15 +257,15 @@ def cut_buffer(ddp, storage: GradStorage) -> None:
             group_of[id(b)] = group
     for buffer in ddp.buffers + ddp.expert_parallel_buffers:
         for bucket in buffer.buckets:
-            old = bucket.grad_data
+            old = bucket.grad_data  # a view of megatron's buffer: on the meta device (ddp.py)
             # Zero bytes until backward first writes to it (BucketGrads.ensure allocates and
-            # zeroes it): allocating every bucket here, while megatron's whole buffer is still
-            # referenced, would hold the model's gradients twice at setup, the run's peak under
-            # the memory tier (measured: bench memcap's larger sizes were killed before step 1).
-            own = torch.empty(old.numel(), dtype=old.dtype, device=old.device)
-            base, size = old.data_ptr(), old.element_size()
+            # zeroes it): allocating every bucket here would hold the model's gradients at
+            # setup, the run's peak under the memory tier (measured: bench memcap's larger
+            # sizes were killed before step 1).
+            device = bucket.param_data.device if bucket.param_data is not None else old.device
+            own = torch.empty(old.numel(), dtype=old.dtype, device=device)
             for p in bucket.params_list:
-                start = (p.main_grad.data_ptr() - base) // size
+                start = p.main_grad.storage_offset() - old.storage_offset()
                 p.main_grad = own[start:start + p.numel()].view(p.shape)
             own.untyped_storage().resize_(0)  # after the views: a view is checked against it
             bucket.grad_data = own

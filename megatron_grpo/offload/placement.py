@@ -80,6 +80,7 @@ class TierPlacement:
         self.store, self.target, self.stream_on = store, target, stream
         self.units: Dict[Hashable, _Unit] = {}
         self._known: Dict[int, Tuple[Hashable, str]] = {}  # id(tensor) -> (key, name)
+        self._fresh: set = set()  # keys of groups registered since the last begin_step
         self.stall_s = 0.0  # time the training loop waited for prefetches, this step
         self.residuals = None  # OffloadedResiduals of the error feedback, when offloaded
         self.accumulators = None  # OffloadedResiduals of the delayed stable accumulators
@@ -121,6 +122,7 @@ class TierPlacement:
                 ids = self.store.register(f"unit{label}/{name}", tensor)
                 placed.tensors.append(_Placed(name, tensor, ids, tensor.numel() * tensor.element_size()))
                 self._known[id(tensor)] = (unit, name)
+                self._fresh.add(unit)
 
     # ---- the schedule ------------------------------------------------------------------
     def begin_step(self, tiers: Sequence[str], update_now: bool, update_next: bool,
@@ -147,6 +149,11 @@ class TierPlacement:
                     self._fetch(unit)
             elif unit.state in (RESIDENT, FETCHING):
                 self._evict(unit)
+        # State registered since the last step (the masters before step 1) leaves before this
+        # step's forward, not with the next step: resident through step 1, it was the run's
+        # peak (measured: +0.4 GB per rank on bench memcap's model). The wait is stall time.
+        self._free_now([k for k in self._fresh if k in self.units and self.units[k].state == EVICTING])
+        self._fresh.clear()
         windows = self.windows(update_now)
         if windows:
             for key in self._group(windows[0]):
@@ -336,11 +343,14 @@ class TierPlacement:
         shards)."""
         return [k for k in (self.residuals, self.accumulators, self.grads) if k is not None]
 
-    def close(self) -> None:
-        """Bring everything back, then close the store (its file is deleted). Residuals are
-        not brought back: the run is over and nothing reads them."""
+    def close(self, restore: bool = True) -> None:
+        """Bring everything back (``restore``), then close the store (its file is deleted).
+        Residuals are not brought back: the run is over and nothing reads them. Without
+        ``restore`` (the end of a training run, its last checkpoint written) state that is away
+        stays zero bytes: bringing it all back would be the run's peak, for nothing."""
         try:
-            self.resident_all()
+            if restore:
+                self.resident_all()
         finally:
             self.store.close()
 

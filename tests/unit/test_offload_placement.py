@@ -1,7 +1,6 @@
 """TierPlacement (megatron_grpo.offload.placement): the stable tier's state leaves memory between
 updates, comes back one step ahead, bit for bit, and nothing is silently lost or stale."""
 
-import concurrent.futures as cf
 
 import pytest
 import torch
@@ -145,10 +144,10 @@ def test_background_error_reaches_the_step(tmp_path):
     p = TierPlacement(ChunkStore(cfg, rank=0), "ssd")
     try:
         p.add(st)
-        p.begin_step(["stable", "core", "core"], False, False)  # 320 KB into a 64 KiB file
-        cf.wait(p.units[0].futures)
         with pytest.raises(OffloadCapacityError, match="no room for chunk"):
-            p.settle()
+            # 320 KB into a 64 KiB file. State registered since the last step leaves before
+            # this step's forward, so the failed write is waited for here.
+            p.begin_step(["stable", "core", "core"], False, False)
         # Nothing was freed: the bytes that could not leave are still in the tensors.
         assert storage_bytes(st[0][0][1]) == 160_000
     finally:
@@ -244,3 +243,26 @@ def test_hidden_share_is_the_copy_time_the_step_did_not_wait_for(tmp_path):
     finally:
         del p.store.stats
         p.close()
+
+
+def test_new_state_leaves_before_the_step_and_the_end_of_a_run_brings_nothing_back(tmp_path):
+    st = state(7)
+    ref = st[0][0][1].clone()
+    p = make(tmp_path)
+    p.add(st)
+    # Registered before step 1 (the masters): gone when begin_step returns, not a step later
+    # (resident through step 1, that was a run's peak).
+    p.begin_step(["stable", "core", "core"], update_now=False, update_next=False)
+    assert storage_bytes(st[0][0][1]) == 0 == storage_bytes(st[0][1][1])
+    assert storage_bytes(st[1][0][1]) == 4_000  # core: stays
+    # The end of a run: the store closes, its file goes, nothing is brought back.
+    files = list(tmp_path.iterdir())
+    p.close(restore=False)
+    assert storage_bytes(st[0][0][1]) == 0 and files and not any(f.exists() for f in files)
+    # close() (restore=True) still brings everything back first.
+    st2 = state(7)
+    q = make(tmp_path)
+    q.add(st2)
+    q.begin_step(["stable", "core", "core"], update_now=False, update_next=False)
+    q.close()
+    assert torch.equal(st2[0][0][1], ref)
