@@ -530,6 +530,7 @@ def plan(model: ModelSpec, cluster: ClusterSpec, grpo: GRPOConfig,
                     ef_bytes=ef, accum_elements=accum, outer_bytes=outer)
         g.residual_dtype = grpo.residual_dtype
         g.residuals_by_dtype = {d: round(x) for d, (_, x) in by_dtype.items()}
+        streamed = offload is not None and offload.target != "none" and offload.stream
         if offload is not None and offload.target != "none":
             place(g, units, elements, sum(numels) / intra, intra, offload.stream,
                    offload.residuals and grpo.compressor != "powersgd",
@@ -547,8 +548,8 @@ def plan(model: ModelSpec, cluster: ClusterSpec, grpo: GRPOConfig,
         release_memory(g, grpo, units, weights, residuals, late, ef_tiers, intra,
                        model.micro_batches(dp, pp), model.overlap_grad_reduce, events,
                        min(act, last_backward_activation_bytes(model, cluster, st)),
-                       shards_away=offload is not None and offload.target != "none"
-                       and offload.stream and offload.grads and grpo.release_grads)
+                       shards_away=streamed and offload.grads and grpo.release_grads,
+                       masters_away=max(0.0, g.master_params - 8 * max(units) / intra) if streamed else 0.0)
         return baseline, g
 
     if stage is not None:

@@ -262,13 +262,15 @@ def release_memory(g, grpo, units: List[int], weights: List[Dict[str, float]],
                    residuals: List[int], late: List[int], ef_tiers: set, shard_ranks: int,
                    micro_batches: int, overlap_grad_reduce: bool,
                    events: Optional[Sequence[Tuple[int, float]]] = None,
-                   last_activations: Optional[int] = None, shards_away: bool = False) -> None:
+                   last_activations: Optional[int] = None, shards_away: bool = False,
+                   masters_away: float = 0.0) -> None:
     """Set the gradient and staged-residual fields of ``g`` (a planner Memory) to the steady
     peak's moment, ``g.grad_peaks`` and ``g.step_peaks`` by kind of step and, with
     --grpo-release-grads, ``g.first_iteration`` to the first iteration's peak. ``events``
     and ``last_activations``: ``grad_timeline``'s. ``shards_away``: the memory tier moves the
     gradient shards of the units its optimizer step streams (the dynamic and stable tiers; every
-    unit in the warm-up, hence the first iteration)."""
+    unit in the warm-up, hence the first iteration). ``masters_away``: master bytes the memory
+    tier holds away through the first iteration (all but the two units streaming)."""
     release = grpo.release_grads
     prefilled = micro_batches > 1 or not release
     # Without release megatron's own overlap: every sync starts as its unit is ready.
@@ -303,7 +305,7 @@ def release_memory(g, grpo, units: List[int], weights: List[Dict[str, float]],
     early = release and grpo.first_batch_overlap and window is not None
     moment, g.grad_peaks["first"] = grad_timeline(first, g.activations, window if early else None,
                                                   prefilled, release, events, last_activations)
-    g.step_peaks["first"] = round(g.params + g.master_params + moment.total)
+    g.step_peaks["first"] = round(g.params + g.master_params - masters_away + moment.total)
     g.first_iteration = g.step_peaks["first"] if release else 0
     g.grad_peaks = {k: round(v) for k, v in g.grad_peaks.items()}
 

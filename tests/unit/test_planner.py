@@ -389,6 +389,31 @@ def test_release_plan_by_hand_frozen_and_delayed_windows_and_dtypes():
     assert (4 * sum(dyn), 260 * sum(-(-n // 256) for n in dyn)) == (779264, 198120)
 
 
+def test_the_memory_tier_moves_the_first_iterations_masters_and_the_shards():
+    from megatron_grpo.offload import OffloadConfig
+
+    cfg = dict(enabled=True, bucket_mb=0.04, warmup_iters=6, retier_interval=8, stable_interval=4,
+               stable_mode="frozen", **THREE_TIERS)
+    m = ModelSpec(**{**SMALL, "seq_length": 4, "micro_batch_size": 1, "max_position": 64, "bf16": False})
+    units = [36864, 37248, 37248, 28288, 46592, 37248, 28288, 15744, 36864]
+
+    def first(**offload):
+        off = OffloadConfig(target="cpu", **offload) if offload else None
+        g = plan(m, TWO_RANKS, GRPOConfig(**cfg), bucket_size=20000, tiers=RUN_TIERS, offload=off).grpo_memory
+        return g.step_peaks["first"], g.grad_peaks["first"], g.master_params
+
+    resident, grads, masters = first()
+    # Streamed (the warm-up streams every unit): the masters leave before step 1's forward, but
+    # for the two units the step streams; the shards keep their last three writes.
+    streamed, streamed_grads, _ = first(stream=True, grads=False)
+    assert streamed_grads == grads
+    assert resident - streamed == masters - 8 * max(units) // 2 > 0
+    _, shard_grads, _ = first(stream=True, grads=True)
+    assert shard_grads < grads
+    # Without streaming neither moves in the first iteration.
+    assert first(stream=False)[:2] == (resident, grads)
+
+
 def test_release_off_keeps_the_buffer_and_the_baseline_is_unchanged():
     on, off = _release_plan(stable_mode="frozen"), _release_plan(stable_mode="frozen", release_grads=False)
     g = off.grpo_memory
