@@ -21,7 +21,11 @@ What reads a gradient before the first update, and how it still gets the same nu
   norm: the same multiplication.
 
 The store is an ``OffloadedResiduals`` (one registered buffer per bucket, rewritten every step),
-so writes are bounded and reads look ahead in last step's order.
+so writes are bounded (a few in flight; the oldest is waited for and freed) and reads look ahead
+in the order this step's optimizer reads them (``expect``). A shard handed to the store is read
+only through it, even while still resident with its write in flight (``BucketGrads.placed``):
+the store may read the file's bytes back into it at any time, so a write into it (clipping in
+place) outside the store would be lost.
 """
 
 from __future__ import annotations
