@@ -55,10 +55,8 @@ class GRPOConfig:
     dynamic_share: float = 0.85
     """Share of parameters in the dynamic tier (compressed communication with error feedback).
     The defaults (core 0.15 int8, dynamic 0.85 int4, no stable tier) are the bytes-vs-quality
-    front's best-quality compressed point: 0.154x the baseline's bytes at +0.17 / +0.16 % late
-    loss and +0.99 / +0.65 % final validation (tiny model, 1,000 steps, seeds 1234 / 4321;
-    `python -m megatron_grpo.bench front --train-iters 1000`). The former 15/65/20 split with an
-    exact core sent 0.243x at +0.68 %: a stable tier saves compute or memory, not bytes."""
+    front's best-quality compressed point; a stable tier saves compute or memory, not bytes
+    (figures: docs/results.md)."""
     stable_share: float = 0.0
     """Share of parameters in the stable tier (updated every --grpo-stable-interval steps). Off
     by default: it buys backward compute (--grpo-stable-mode frozen) or memory (state offloaded
@@ -89,10 +87,9 @@ class GRPOConfig:
     core_compressor: str = "int8"
     """Core-tier compressor: int8 (default) or int4 with error feedback, like the dynamic tier
     but with its own residuals, or none (exact, bit-identical to megatron's own sync). The
-    ranking then decides how many bits a unit gets (core int8, dynamic --grpo-compressor).
-    Ranked this way the int8 core beat a random 15 % by 1.9 points of late loss (delayed stable,
-    tiny model, 2 seeds). The warm-up and units with copies on several pipeline stages (the tied
-    embedding) stay exact."""
+    ranking then decides how many bits a unit gets (core int8, dynamic --grpo-compressor; what
+    the ranking buys: docs/grpo.md). The warm-up and units with copies on several pipeline
+    stages (the tied embedding) stay exact."""
     compress_chunk: int = 256
     """Elements sharing one fp32 scale in int4/int8 quantisation."""
     topk_ratio: float = 0.05
@@ -110,10 +107,8 @@ class GRPOConfig:
     """delayed: stable units compute their gradients every step and accumulate them locally;
     the mean goes out, exactly, every --grpo-stable-interval steps (no bytes in between, compute
     as the baseline). frozen: no weight-gradient compute between updates (saves backward work),
-    but those steps' gradients are lost. delayed is the default because it measured better:
-    late loss +0.68 % vs +1.27 % against the baseline at the same 0.243x bytes (tiny model,
-    1,000 steps, mean of 2 seeds; `python -m megatron_grpo.bench front --train-iters 1000`).
-    compressed: stable units sync every step like the dynamic tier, through
+    but those steps' gradients are lost; delayed is the default because it measured better
+    (docs/grpo.md). compressed: stable units sync every step like the dynamic tier, through
     --grpo-stable-compressor (2 bits by default) with error feedback of their own: the ranking
     then gives the least important units the fewest bits (--grpo-stable-interval is unused).
     local (needs --num-distributed-optimizer-instances > 1): stable units train every step
@@ -159,11 +154,8 @@ class GRPOConfig:
     """Between instances: 1 sends the dynamic tier's gradients compressed every step; H > 1
     trains it locally inside each instance (exact sync there) and averages the instances'
     parameter deltas every H steps through the outer optimizer, compressed with --grpo-compressor
-    and error feedback (local updates, as DiLoCo). Measured with core every 4 and dynamic every
-    10: 0.028x megatron hierarchical's inter-node bytes at +2.5 / +4.3 % validation loss; with
-    the core int4 every step and dynamic every 10, 0.040x at +3.3 / +2.9 % (int8 deltas: the
-    same); per-step mode 0.154x at +0.7 / +1.0 % (tiny model, 1,000 steps, 2 seeds), so 1
-    stays the default."""
+    and error feedback (local updates, as DiLoCo). 1 stays the default: local updates cut the
+    inter-node bytes far more and cost validation loss (docs/internode.md, "Measured")."""
     outer_lr: float = 1.0
     """Outer learning rate of the periodic tiers: at a sync each instance's shard becomes
     anchor - lr * (Nesterov step on the instances' mean delta, anchor - local). 1.0 with
@@ -171,8 +163,8 @@ class GRPOConfig:
     outer_momentum: float = 0.0
     """Nesterov momentum of the outer optimizer (0: none). Its buffer is per unit and shard,
     identical on every instance, and checkpointed. DiLoCo's 0.7 / 0.9 (made for ~500-step
-    periods) cost +18.7 % validation loss with syncs every 4-10 steps (tiny model, 1,000 steps;
-    docs/benchmarks.md), hence plain averaging by default."""
+    periods) cost quality with syncs every 4-10 steps (docs/internode.md), hence plain averaging
+    by default."""
     internode_preset: str = "none"
     """none, or source: the source material's per-tier sync periods 100 / 50 / 200, read as
     core exact every 100 steps, dynamic every 50 (int4, ~8:1), stable (20 %, local mode) every
