@@ -28,11 +28,9 @@ RUN_FLAGS = {"baseline": [], "grpo": ["--grpo"]}
 
 
 def _free_port() -> int:
-    import socket
+    from megatron_grpo.platform.ports import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 def launch(name: str, args: argparse.Namespace, extra: List[str]) -> str:

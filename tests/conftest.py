@@ -11,11 +11,12 @@ import os
 os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported: it reads this once
 os.environ.setdefault("PYTHONWARNINGS", "ignore")
 
-import socket  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+from megatron_grpo.platform.ports import free_port as _free_port  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -45,12 +46,6 @@ def pytest_sessionfinish(session, exitstatus):
     config = session.config
     if int(exitstatus) == 5 and not config.getoption("keyword") and not config.getoption("markexpr"):
         session.exitstatus = 1
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from typing import Dict, List, Optional, Sequence
+
+from megatron_grpo.platform.ports import free_port  # noqa: F401  (tests import it from here)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENTRY = os.path.join(REPO, "launch", "pretrain_gpt.py")
@@ -30,12 +31,6 @@ LLAMA_SMALL = ["--num-layers", "2", "--hidden-size", "96", "--num-attention-head
                "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
                "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "4", "--log-interval", "1000",
                "--eval-iters", "2", "--seed", "7"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:

@@ -15,23 +15,18 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+from megatron_grpo.platform.ports import free_port
+
 from .common import ROOT, STRICT_ENV, kill_group, run_command, tail_lines
 
 ENTRY = os.path.join(ROOT, "launch", "gpu_checks", "train_entry.py")
 FAILED_RANK_GRACE_S = 20.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

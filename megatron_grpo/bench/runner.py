@@ -11,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from typing import Dict, List, Optional, Sequence
+
+from megatron_grpo.platform.ports import free_port as _free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENTRY = os.path.join(REPO, "launch", "pretrain_gpt.py")
@@ -61,12 +62,6 @@ class RunSpec:
     env: Dict[str, str] = dataclasses.field(default_factory=dict)
     """Environment every run of the suite gets on top of the bench's own (memory: glibc's
     mmap threshold, so freed host memory returns to the OS and shows in the RSS)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def config_value(config: str, key: str, flags: Sequence[str] = ()):

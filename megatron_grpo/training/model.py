@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.platform import Platform
+from megatron_grpo.platform.ports import free_port as _free_port
 from megatron_grpo.training.config import PretrainConfig
 
 
@@ -28,14 +29,6 @@ def init_distributed(platform: Platform, timeout_s: int = 600) -> None:
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     dist.init_process_group(platform.backend, timeout=datetime.timedelta(seconds=timeout_s))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def padded_vocab_size(vocab_size: int, cfg: PretrainConfig) -> int:

@@ -20,12 +20,13 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
+
+from megatron_grpo.platform.ports import free_port
 
 COMMANDS = {"slurmctld": "slurmctld", "slurmd": "slurmd", "sbatch": "slurm-client",
             "scontrol": "slurm-client", "sinfo": "slurm-client", "munged": "munge",
@@ -81,9 +82,7 @@ def unavailable_reason() -> Optional[str]:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("0.0.0.0", 0))
-        return s.getsockname()[1]
+    return free_port("0.0.0.0")
 
 
 @dataclass
