@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+
+from megatron_grpo.training.memory_budget import spec_from_flags  # noqa: E402  (after the path)
 
 # The docs table: H100 80 GB nodes of 8 GPUs with one 400 Gb/s NIC per GPU, transformer-engine
 # (flash) attention, a 128,256-token vocabulary (Llama 3 size). Node counts: the smallest that
@@ -63,29 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="flash: transformer-engine attention on CUDA; unfused: megatron's local "
                         "spec (CPU mode), which keeps the s x s scores")
     return p
-
-
-def spec_from_flags(train_argv: Sequence[str], nodes: int, gpus_per_node: int, gpu_memory_gb: float,
-                    link_gbps: float, vocab: int = DEFAULT_VOCAB, attention: str = "flash",
-                    nvlink_gbps: float = 3600.0):
-    """(ModelSpec, ClusterSpec, GRPOConfig, ddp bucket size, OffloadConfig) from training
-    flags/--config."""
-    from megatron_grpo.planner import ClusterSpec
-    from megatron_grpo.training.arguments import parse_args
-    from megatron_grpo.training.memory_budget import model_spec
-
-    for flag, value in (("--nodes", nodes), ("--gpus-per-node", gpus_per_node)):
-        if value <= 0:  # checked first: the training parser divides by the world size
-            raise ValueError(f"{flag} must be a positive integer, got {value}")
-    # --data-path is required by the training parser but irrelevant to the plan.
-    cfg = parse_args([*train_argv, "--data-path", "unused-by-the-planner"],
-                     world_size=nodes * gpus_per_node)
-    model = model_spec(cfg, vocab, attention)
-    cluster = ClusterSpec(nodes=nodes, gpus_per_node=gpus_per_node, gpu_memory_gb=gpu_memory_gb,
-                          link_gbps=link_gbps, tp=cfg.parallel.tensor_model_parallel_size,
-                          pp=cfg.parallel.pipeline_model_parallel_size, nvlink_gbps=nvlink_gbps,
-                          instances=cfg.parallel.num_distributed_optimizer_instances)
-    return model, cluster, cfg.grpo, cfg.parallel.ddp_bucket_size, cfg.offload
 
 
 def preset_plans():

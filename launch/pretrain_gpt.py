@@ -22,10 +22,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _rank_log_hooks(cfg, who: str):
-    """The run's hooks (baseline or GRPO, as run() would pick), with per-rank log lines added."""
-    from megatron_grpo.training.loop import default_hooks
+    """The run's hooks (baseline or GRPO), with per-rank log lines added."""
+    from megatron_grpo.megatron import run_hooks
 
-    hooks = default_hooks(cfg)
+    hooks = run_hooks(cfg)
     inner, interval, last_map = hooks.step_metrics, cfg.logging.log_interval, [None]
 
     def say(text):  # one write per line: ranks sharing a terminal or job file do not interleave
@@ -99,11 +99,12 @@ def main(argv=None) -> int:
     except ConfigError as exc:
         say_error(rank, exc)
         return 2
+    from megatron_grpo.megatron import run_hooks  # the launcher picks the hooks: baseline or GRPO
     from megatron_grpo.training.loop import run, shutdown
 
     try:
         per_rank_log = os.environ.get("MEGATRON_GRPO_RANK_LOG") == "1"
-        run(cfg, _rank_log_hooks(cfg, f"rank {rank}") if per_rank_log else None)
+        run(cfg, _rank_log_hooks(cfg, f"rank {rank}") if per_rank_log else run_hooks(cfg))
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as exc:
         say_error(rank, exc)
         return 2

@@ -311,10 +311,10 @@ def run(args, command: str) -> SuiteResult:
 
 def _flags_spec(spec, contender: Contender, layers: Optional[int] = None):
     """The planner's (model, cluster, grpo, bucket, offload) for this contender's runs."""
-    from megatron_grpo.bench.memory import plan_cli
+    from megatron_grpo.training.memory_budget import spec_from_flags
 
     extra = ["--num-layers", str(layers)] if layers else []
-    return plan_cli().spec_from_flags(
+    return spec_from_flags(
         ["--config", spec.config, *spec.common, *contender.flags, *extra], nodes=1,
         gpus_per_node=spec.nproc, gpu_memory_gb=1.0, link_gbps=1.0, vocab=258,
         attention="unfused")  # the byte tokenizer's 258 ids; CPU mode runs the local spec

@@ -15,7 +15,7 @@ import os
 
 from megatron_grpo.bench import figures as F
 from megatron_grpo.bench import plots
-from megatron_grpo.bench.runner import CONFIGS, REPO, Contender
+from megatron_grpo.bench.runner import CONFIGS, Contender
 from megatron_grpo.bench.sidebyside import plot_path, run_all
 from megatron_grpo.bench.suite import SuiteResult
 
@@ -122,29 +122,19 @@ def run(args, command: str) -> SuiteResult:
     return res
 
 
-def plan_cli():
-    """launch/plan.py as a module (a script, not part of the package)."""
-    import importlib.util
-
-    module_spec = importlib.util.spec_from_file_location("plan_cli", os.path.join(REPO, "launch", "plan.py"))
-    cli = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(cli)
-    return cli
-
-
 def _planner_check(spec, records, summaries) -> list:
     """launch/plan.py's offload figures for this model and the run's own tier map, against what
     the SSD run placed (its per-step offload_bytes_* records) and what its RSS saved."""
     import dataclasses
 
     from megatron_grpo.planner import plan, stream_window_bytes
+    from megatron_grpo.training.memory_budget import spec_from_flags
 
     ssd = [r for r in records.get("grpo-ssd", []) if "grpo_tier_map" in r and r.get("grpo_tiered")]
     if not ssd:
         return []
-    cli = plan_cli()
     # The byte tokenizer's 258 ids; CPU mode runs megatron's local spec (unfused attention).
-    model, cluster, grpo, bucket, offload = cli.spec_from_flags(
+    model, cluster, grpo, bucket, offload = spec_from_flags(
         ["--config", spec.config, "--grpo", "--grpo-offload", "ssd", "--grpo-offload-dir", "x"],
         nodes=1, gpus_per_node=spec.nproc, gpu_memory_gb=1.0, link_gbps=1.0, vocab=258,
         attention="unfused")

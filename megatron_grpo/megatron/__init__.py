@@ -16,13 +16,7 @@ from megatron_grpo.megatron.ddp import GRPODistributedDataParallel
 from megatron_grpo.megatron.optimizer import (GRPODistributedOptimizer, get_grpo_optimizer,
                                               grpo_optimizers, load_optimizer_state, optimizer_state)
 from megatron_grpo.megatron.resident import resident_by_kind
-
-
-def parallel_layout():
-    """[tensor-parallel size, pipeline-parallel size] of this run."""
-    from megatron.core import parallel_state as ps
-
-    return [ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()]
+from megatron_grpo.platform.layout import parallel_layout
 
 
 def grpo_data_parallel_group():
@@ -32,6 +26,12 @@ def grpo_data_parallel_group():
     from megatron.core import parallel_state as ps
 
     return ps.get_data_parallel_group(with_context_parallel=True)
+
+
+def run_hooks(cfg) -> RunHooks:
+    """The hooks a launcher hands ``megatron_grpo.training.loop.run``: the baseline's (empty)
+    ones, or GRPO's with --grpo."""
+    return grpo_hooks(cfg) if cfg.grpo.enabled else RunHooks()
 
 
 def grpo_hooks(cfg):
@@ -177,4 +177,4 @@ def grpo_hooks(cfg):
 
 
 __all__ = ["GRPOBucketGroup", "GRPODistributedDataParallel", "GRPODistributedOptimizer",
-           "get_grpo_optimizer", "grpo_data_parallel_group", "grpo_hooks", "install"]
+           "get_grpo_optimizer", "grpo_data_parallel_group", "grpo_hooks", "install", "run_hooks"]

@@ -21,7 +21,7 @@ from typing import Dict
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.megatron import parallel_layout
+from megatron_grpo.platform.layout import parallel_layout
 from megatron_grpo.megatron.optimizer import load_named_param_steps, named_param_steps
 
 

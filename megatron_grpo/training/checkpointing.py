@@ -31,6 +31,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_grpo.platform.layout import parallel_layout
 from megatron_grpo.training import save_errors
 from megatron_grpo.training.model import optimizer_list, unwrap
 
@@ -282,8 +283,6 @@ def _save_checkpoint(root: str, iteration: int, built, common: Dict,
                      rank_extra: Optional[Dict], record: Optional[Dict]) -> str:
     from megatron.core import dist_checkpointing
 
-    from megatron_grpo.megatron import parallel_layout
-
     rank = dist.get_rank()
     _sigterm_proof_results_queue()
     final = iteration_dir(root, iteration)
@@ -423,8 +422,6 @@ def _restore_per_param_steps(built) -> None:
 def _check_layout(root: str, ckpt_dir: str) -> None:
     """The optimizer state is saved per data-parallel shard (dp_reshardable): it resumes at any
     data-parallel size but not in another TP/PP layout; say so before megatron's shape error."""
-    from megatron_grpo.megatron import parallel_layout
-
     with open(os.path.join(ckpt_dir, MANIFEST)) as fh:
         saved = json.load(fh).get("layout")  # absent in checkpoints before this check
     if saved is not None and list(saved) != parallel_layout():

@@ -32,6 +32,8 @@ from megatron_grpo.training.memory_budget import current_base_bytes
 from megatron_grpo.training.model import (build_model, data_parallel_info, init_distributed,
                                           is_metrics_rank, model_parallel_init, optional_device_peak)
 from megatron_grpo.training.step import ForwardStep, evaluate, microbatch_layout, train_step
+from megatron_grpo.training.weight_check import (WeightHashMismatch, check_due, check_weight_hashes,
+                                                 failure_message, validate_interval)
 
 
 @dataclass
@@ -125,22 +127,19 @@ def build_run_datasets(cfg: PretrainConfig, cache_dir: Optional[str] = None):
     return tokenizer, train, valid
 
 
-def default_hooks(cfg: PretrainConfig) -> RunHooks:
-    """The baseline's (empty) hooks, or GRPO's with --grpo."""
-    if cfg.grpo.enabled:
-        from megatron_grpo.megatron import grpo_hooks
-
-        return grpo_hooks(cfg)
-    return RunHooks()
-
-
 def run(cfg: PretrainConfig, hooks: Optional[RunHooks] = None) -> RunSummary:
     # Installed before the process group exists: a SIGTERM during start-up or --load is noted
     # too, and acted on at the end of the first iteration. The previous handler comes back
     # whatever happens (tests and embedding code call run() more than once per process).
     preemption = _Preemption()
     preemption.install()
-    hooks = hooks or default_hooks(cfg)
+    if hooks is None:
+        if cfg.grpo.enabled:
+            # The launcher picks GRPO's hooks (megatron_grpo.megatron.run_hooks): training does
+            # not import the megatron glue.
+            raise ValueError("run(cfg) with --grpo needs GRPO's hooks: "
+                             "run(cfg, megatron_grpo.megatron.run_hooks(cfg))")
+        hooks = RunHooks()
     # A rank whose launcher dies exits without saving (launcher_watch); rank 0 holds --save's
     # lock from start to end (save_lock), released whatever the end, that exit included.
     lock = save_lock.SaveLock(cfg.checkpoint.save) if cfg.checkpoint.save else None
@@ -194,9 +193,7 @@ def _before_save(lock, watch) -> None:
 def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption, lock=None, watch=None) -> RunSummary:
     t, lg = cfg.training, cfg.logging
     platform = select_platform(force_cpu=t.cpu, local_rank=int(os.environ.get("LOCAL_RANK", 0)))
-    from megatron_grpo.megatron import weight_check
-
-    hash_interval = weight_check.validate_interval(lg.check_weight_hash_interval)
+    hash_interval = validate_interval(lg.check_weight_hash_interval)
     # Import megatron's buffer module before installing the counter so its import-time
     # reference to reduce_scatter/all_gather is rebound to the counting wrappers.
     import megatron.core.distributed.param_and_grad_buffer  # noqa: F401
@@ -338,8 +335,8 @@ def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption, lock=Non
                 logger.log(record)
             logger.close()
             raise TrainingDiverged(diverged)
-        if weight_check.check_due(hash_interval, iteration):
-            hashes = weight_check.check_weight_hashes(built.ddp_model, hooks.params_between_syncs())
+        if check_due(hash_interval, iteration):
+            hashes = check_weight_hashes(built.ddp_model, hooks.params_between_syncs())
             counter.reset()  # its traffic is no step's traffic (tagged "weight_check")
             record["weight_hash_ok"] = hashes.ok
             # Parameters compared only inside each instance (periodic tiers between syncs).
@@ -348,8 +345,7 @@ def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption, lock=Non
                 if writer:
                     logger.log(record)
                 logger.close()
-                raise weight_check.WeightHashMismatch(
-                    weight_check.failure_message(hashes, iteration))
+                raise WeightHashMismatch(failure_message(hashes, iteration))
         # A preempted run skips a due evaluation: the grace before SIGKILL is for the checkpoint.
         if (iteration % lg.eval_interval == 0 or iteration == t.train_iters) and not stopping:
             if lg.eval_iters > 0:

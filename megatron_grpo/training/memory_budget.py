@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 LEVELS: List[Tuple[str, Dict]] = [
     ("resident", {"target": "none"}),
@@ -62,6 +62,28 @@ def model_spec(cfg, vocab: int, attention: str):
                      recompute_method=m.recompute_method, recompute_num_layers=m.recompute_num_layers,
                      global_batch_size=t.global_batch_size,
                      overlap_grad_reduce=cfg.parallel.overlap_grad_reduce)
+
+
+def spec_from_flags(train_argv: Sequence[str], nodes: int, gpus_per_node: int, gpu_memory_gb: float,
+                    link_gbps: float, vocab: int = 128256, attention: str = "flash",
+                    nvlink_gbps: float = 3600.0):
+    """(ModelSpec, ClusterSpec, GRPOConfig, ddp bucket size, OffloadConfig) from training
+    flags/--config, read as launch/pretrain_gpt.py reads them (launch/plan.py, the benchmarks)."""
+    from megatron_grpo.planner import ClusterSpec
+    from megatron_grpo.training.arguments import parse_args
+
+    for flag, value in (("--nodes", nodes), ("--gpus-per-node", gpus_per_node)):
+        if value <= 0:  # checked first: the training parser divides by the world size
+            raise ValueError(f"{flag} must be a positive integer, got {value}")
+    # --data-path is required by the training parser but irrelevant to the plan.
+    cfg = parse_args([*train_argv, "--data-path", "unused-by-the-planner"],
+                     world_size=nodes * gpus_per_node)
+    model = model_spec(cfg, vocab, attention)
+    cluster = ClusterSpec(nodes=nodes, gpus_per_node=gpus_per_node, gpu_memory_gb=gpu_memory_gb,
+                          link_gbps=link_gbps, tp=cfg.parallel.tensor_model_parallel_size,
+                          pp=cfg.parallel.pipeline_model_parallel_size, nvlink_gbps=nvlink_gbps,
+                          instances=cfg.parallel.num_distributed_optimizer_instances)
+    return model, cluster, cfg.grpo, cfg.parallel.ddp_bucket_size, cfg.offload
 
 
 @dataclass

@@ -90,17 +90,11 @@ def test_grpo_between_instances_keeps_every_copy_identical(runs):
 
 
 def test_planner_predicts_the_inter_node_bytes(runs, stdlib_data):
-    import importlib.util
-    import os
-
-    from harness import REPO
     from megatron_grpo.planner_internode import internode
+    from megatron_grpo.training.memory_budget import spec_from_flags
 
-    spec = importlib.util.spec_from_file_location("plan_cli", os.path.join(REPO, "launch", "plan.py"))
-    plan_cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plan_cli)
     flags = runs["grpo_flags"]
-    model, cluster, grpo, bucket, _ = plan_cli.spec_from_flags(
+    model, cluster, grpo, bucket, _ = spec_from_flags(
         flags, nodes=2, gpus_per_node=2, gpu_memory_gb=1.0, link_gbps=1.0, vocab=258, attention="unfused")
     assert cluster.instances == 2
     hier = runs["hier"]

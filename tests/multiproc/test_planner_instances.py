@@ -17,7 +17,6 @@ delivers and drops the residuals. After 10 every piece of the outer state exists
 """
 
 import dataclasses
-import importlib.util
 import json
 import os
 import subprocess
@@ -28,10 +27,7 @@ import pytest
 from harness import REPO, SMALL_MODEL, env, free_port, read_metrics
 
 from megatron_grpo.planner import plan
-
-_spec = importlib.util.spec_from_file_location("plan_cli", os.path.join(REPO, "launch", "plan.py"))
-plan_cli = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(plan_cli)
+from megatron_grpo.training.memory_budget import spec_from_flags
 
 ITERS = 12
 ARGS = [*SMALL_MODEL, "--train-iters", str(ITERS), "--eval-iters", "0", "--eval-interval", str(ITERS),
@@ -60,7 +56,7 @@ def probe(stdlib_data, tmp_path_factory):
 
 
 def _plan(tiers=None, instances=None):
-    model, cluster, grpo, bucket, _ = plan_cli.spec_from_flags(
+    model, cluster, grpo, bucket, _ = spec_from_flags(
         ARGS, nodes=2, gpus_per_node=2, gpu_memory_gb=1.0, link_gbps=1.0, vocab=258, attention="unfused")
     if instances is not None:  # the same run planned in another layout
         cluster = dataclasses.replace(cluster, instances=instances)

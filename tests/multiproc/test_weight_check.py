@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from harness import (ENTRY, REPO, SMALL_MODEL, env, free_port, read_metrics, spawn_ranks,
                      train_and_read)
-from megatron_grpo.megatron.weight_check import tensor_digest
+from megatron_grpo.training.weight_check import tensor_digest
 
 TP2_DP2 = [*SMALL_MODEL, "--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64"]
 PROBE = os.path.join(REPO, "tests", "multiproc", "weight_check_probe.py")
@@ -110,7 +110,7 @@ def _tied_pp_worker(rank, port, queue):
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from megatron_grpo.megatron.weight_check import check_weight_hashes
+    from megatron_grpo.training.weight_check import check_weight_hashes
     from megatron_grpo.training.config import PretrainConfig
     from megatron_grpo.training.model import transformer_config
 

@@ -28,12 +28,13 @@ def main():
 
     from megatron_grpo.comm.wire import wire_counter
     from megatron_grpo.training.arguments import parse_args
-    from megatron_grpo.training.loop import default_hooks, run
+    from megatron_grpo.megatron import run_hooks
+    from megatron_grpo.training.loop import run
 
     out_path, mode, param_name, at_iter, argv = (sys.argv[1], sys.argv[2], sys.argv[3],
                                                  int(sys.argv[4]), sys.argv[5:])
     cfg = parse_args(argv, world_size=int(os.environ["WORLD_SIZE"]))
-    hooks = default_hooks(cfg)
+    hooks = run_hooks(cfg)
     state = {"calls": [], "perturbed": False}
     base_after_build, base_after_step = hooks.after_build, hooks.after_step
 

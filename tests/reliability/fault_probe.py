@@ -5,7 +5,7 @@
 
 The training is the real entry, launch/pretrain_gpt.py main(): same flags, same error handling,
 same exit codes. Faults come in through the run's hooks (RunHooks, wrapped around whatever
-default_hooks builds: baseline or GRPO) and through two wrapped checkpoint writes, so nothing in
+megatron_grpo.megatron.run_hooks builds: baseline or GRPO) and through two wrapped checkpoint writes, so nothing in
 megatron_grpo needs a test branch. SPEC (R: rank, K: iteration, counted from 1):
 
   kill:R:K              rank R SIGKILLs itself inside the backward pass of iteration K (mid-step:
@@ -243,17 +243,17 @@ def main() -> int:
     entry = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(entry)  # its __main__ guard keeps main() from running on import
 
-    from megatron_grpo.training import loop
+    import megatron_grpo.megatron as glue
 
     probe = Faults(faults, out, rank)
     probe.wrap_checkpointing()
-    base_default = loop.default_hooks
+    base_hooks = glue.run_hooks
 
-    def default_hooks(cfg):  # run() builds its hooks through this module-level name
-        hooks = base_default(cfg)
+    def run_hooks(cfg):  # the launcher picks its hooks through this module-level name
+        hooks = base_hooks(cfg)
         probe.wrap(hooks)
         return hooks
-    loop.default_hooks = default_hooks
+    glue.run_hooks = run_hooks
     return entry.main(argv)
 
 

@@ -137,7 +137,7 @@ def _refusal(argv, tmp_path=None, yaml_text=None, data=True):
         cfg = parse_args([*argv, *DATA] if data else list(argv), world_size=2)
     except ConfigError as exc:
         return str(exc).replace(str(tmp_path) + "/", "") if tmp_path else str(exc)
-    from megatron_grpo.megatron import weight_check
+    from megatron_grpo.training import weight_check
 
     try:
         weight_check.validate_interval(cfg.logging.check_weight_hash_interval)

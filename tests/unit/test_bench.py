@@ -299,10 +299,10 @@ def test_memory_suite_checks_the_planner_against_what_the_ssd_run_placed():
     from megatron_grpo.bench import memory
     from megatron_grpo.bench.runner import CONFIGS, RunSpec
     from megatron_grpo.planner import plan, stream_window_bytes
+    from megatron_grpo.training.memory_budget import spec_from_flags
 
     config = os.path.join(CONFIGS, "mem100m.yaml")
-    cli = memory.plan_cli()
-    model, cluster, grpo, bucket, off = cli.spec_from_flags(
+    model, cluster, grpo, bucket, off = spec_from_flags(
         ["--config", config, "--grpo", "--grpo-offload", "ssd", "--grpo-offload-dir", "x"], nodes=1,
         gpus_per_node=2, gpu_memory_gb=1.0, link_gbps=1.0, vocab=258, attention="unfused")
     n = len(plan(model, cluster, grpo, bucket_size=bucket).units)

@@ -1,0 +1,83 @@
+"""The package's imports follow its layout (docs/design.md, "Where things live"): data flows one
+way, importance -> tiers -> per-tier policy -> megatron glue / training -> tools, and nothing
+imports back up that flow, at module level or inside a function. training/ and megatron/ are
+linked only by the hooks (megatron_grpo/hooks.py); the launcher picks them
+(megatron_grpo.megatron.run_hooks). The package never reaches into tests/ or launch/."""
+
+import ast
+import os
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+LOW = ("config", "hooks", "platform", "importance", "tiers", "health", "replica",
+       "outer_schedule", "timing", "comm", "offload", "data")
+RULES = {  # package part -> package parts it must not import
+    **{low: ("megatron", "training", "bench", "convert", "controller", "controller_state",
+             "controller_report") for low in LOW},
+    "training": ("megatron", "bench", "convert"),
+    "megatron": ("training", "bench", "convert"),
+}
+OUTSIDE = ("tests", "harness", "cluster", "launch")  # modules and paths the package never uses
+
+
+def _imports(path: str, module: str):
+    """(imported module, line) of every import in the file, relative ones resolved."""
+    tree = ast.parse(open(path).read())
+    package = module.split(".")[:-1] if not path.endswith("__init__.py") else module.split(".")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - node.level + 1]
+                yield ".".join(base + ([node.module] if node.module else [])), node.lineno
+            else:
+                yield node.module or "", node.lineno
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "spec_from_file_location":
+            # A file loaded by path is an import too.
+            for arg in ast.walk(node):
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and arg.value in OUTSIDE:
+                    yield arg.value, node.lineno
+
+
+def violations(root: str, package: str = "megatron_grpo"):
+    out = []
+    for dirpath, _, files in os.walk(os.path.join(root, package)):
+        for name in sorted(files):
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, name)
+            module = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
+            part = module.split(".")[1] if module.count(".") else ""
+            for target, line in _imports(path, module):
+                top = target.split(".")
+                if top[0] in OUTSIDE:
+                    out.append(f"{module}:{line} uses {target}")
+                elif top[0] == package and len(top) > 1 and top[1] in RULES.get(part, ()):
+                    out.append(f"{module}:{line} imports {target} ({part} must not import {top[1]})")
+    return sorted(out)
+
+
+def test_no_import_runs_back_up_the_flow():
+    assert violations(REPO) == []
+
+
+def test_the_check_finds_each_kind_of_arrow(tmp_path):
+    pkg = tmp_path / "megatron_grpo"
+    for sub in ("training", "megatron", "comm"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "training" / "loop.py").write_text("def f():\n    from megatron_grpo.megatron import grpo_hooks\n")
+    (pkg / "megatron" / "glue.py").write_text("from ..training import loop\n")
+    (pkg / "comm" / "x.py").write_text(
+        "import importlib.util, os\nimport harness\n"
+        "spec = importlib.util.spec_from_file_location('p', os.path.join('r', 'launch', 'plan.py'))\n")
+    found = violations(str(tmp_path))
+    assert found == [
+        "megatron_grpo.comm.x:2 uses harness",
+        "megatron_grpo.comm.x:3 uses launch",
+        "megatron_grpo.megatron.glue:1 imports megatron_grpo.training (megatron must not import training)",
+        "megatron_grpo.training.loop:2 imports megatron_grpo.megatron (training must not import megatron)",
+    ]
