@@ -113,6 +113,8 @@ def grpo_hooks(cfg):
             rec["grad_bytes_peak"] = sum(m["grad_bytes_peak"] for m in each)
             # This rank's shards resident at once, at most (the memory tier moves them away).
             rec["grad_shard_bytes_peak"] = sum(m["grad_shard_bytes_peak"] for m in each)
+            # megatron's whole-model gradient buffer as allocated at setup (0: never, ddp.py).
+            rec["grad_bytes_setup_buffer"] = sum(m["grad_bytes_setup_buffer"] for m in each)
             rec["grad_bytes_after_step"] = sum(m["grad_bytes_resident"] for m in each)
             rec["grad_units_full_after_step"] = sum(m["grad_units_full"] for m in each)
             rec["grad_bytes_whole_buffer"] = sum(m["grad_bytes_whole_buffer"] for m in each)

@@ -195,6 +195,7 @@ class GradStorage:
         self.peak_by_bucket: List[int] = []  # each bucket's bytes when the step's peak was reached
         self.shards = None                   # GradShards of the memory tier (grad_shards.py), if on
         self.shard_peak = 0                  # most shard bytes resident at once this step
+        self.setup_buffer_bytes = 0          # megatron's whole buffer as allocated (0: on meta, ddp.py)
 
     def add(self, grads: BucketGrads) -> None:
         self.buckets.append(grads)
@@ -237,6 +238,7 @@ class GradStorage:
         full = sum(1 for g in self.buckets if g.state == FULL)
         return {"grad_bytes_peak": float(self.peak), "grad_bytes_resident": float(self.resident),
                 "grad_shard_bytes_peak": float(self.shard_peak),
+                "grad_bytes_setup_buffer": float(self.setup_buffer_bytes),
                 "grad_units_full": float(full),
                 # For comparison: megatron's one buffer, and the largest single bucket.
                 "grad_bytes_whole_buffer": float(sum(g.nbytes for g in self.buckets)),
@@ -256,6 +258,8 @@ def cut_buffer(ddp, storage: GradStorage) -> None:
         for b in group.buckets:
             group_of[id(b)] = group
     for buffer in ddp.buffers + ddp.expert_parallel_buffers:
+        if buffer.grad_data is not None and not buffer.grad_data.is_meta:
+            storage.setup_buffer_bytes += buffer.grad_data.numel() * buffer.grad_data.element_size()
         for bucket in buffer.buckets:
             old = bucket.grad_data  # a view of megatron's buffer: on the meta device (ddp.py)
             # Zero bytes until backward first writes to it (BucketGrads.ensure allocates and

@@ -20,6 +20,8 @@ def _pair(tmp_path, name, nproc, args, iters=14):
 def _check_released(on, off):
     assert [r["loss"] for r in on] == [r["loss"] for r in off]
     assert all("grad_bytes_peak" not in r for r in off)          # off: megatron's own buffer
+    # megatron's whole-model gradient buffer was never allocated (made on the meta device).
+    assert on[0]["grad_bytes_setup_buffer"] == 0
     for r in on:
         # After every step no unit holds full (or any) gradient storage.
         assert r["grad_bytes_after_step"] == 0 and r["grad_units_full_after_step"] == 0, r["iteration"]
