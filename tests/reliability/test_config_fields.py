@@ -91,11 +91,11 @@ RANGE = {
     "grpo.dynamic_sync_interval": ["--grpo-dynamic-sync-interval", "0"],
     "grpo.outer_lr": ["--grpo-outer-lr", "0"], "grpo.outer_momentum": ["--grpo-outer-momentum", "1.0"],
     "grpo.internode_preset": ["--grpo-internode-preset", "diloco"],
-    "grpo.release_grads": None,
+    "grpo.release_grads": None, "grpo.first_batch_overlap": None,
     "grpo.grad_units_in_flight": ["--grpo-grad-units-in-flight", "0"],
     "grpo.residual_dtype": ["--grpo-residual-dtype", "fp16"],
     "offload.target": ["--grpo", "--grpo-offload", "disk"], "offload.stream": None,
-    "offload.residuals": None,
+    "offload.residuals": None, "offload.grads": None,
     "offload.offload_dir": ["--grpo", "--grpo-offload", "ssd"],  # ssd without a directory
     "offload.chunk_mb": ["--grpo-offload-chunk-mb", "0"],
     "offload.fallback": ["--grpo-offload-fallback", "warn"],
