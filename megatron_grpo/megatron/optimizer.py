@@ -41,6 +41,10 @@ class GRPODistributedOptimizer(DistributedOptimizer):
     placement = None  # TierPlacement of the memory tier (--grpo-offload), set by build_placement
     outer_sync = None  # OuterSync of the periodic tiers between instances (megatron/outer.py)
     grad_shards = None  # GradShards of the memory tier (megatron/grad_shards.py), if gradients move
+    # Unbound (megatron's own tests swap this class in): no gradient is away. bind() and each
+    # step give the instance its own; the class's is never changed in place.
+    _grads_away: Dict[int, list] = {}
+    _norm = None
 
     def bind(self, controller) -> None:
         self.grpo = controller
