@@ -548,8 +548,7 @@ def plan(model: ModelSpec, cluster: ClusterSpec, grpo: GRPOConfig,
         release_memory(g, grpo, units, weights, residuals, late, ef_tiers, intra,
                        model.micro_batches(dp, pp), model.overlap_grad_reduce, events,
                        min(act, last_backward_activation_bytes(model, cluster, st)),
-                       shards_away=streamed and offload.grads and grpo.release_grads,
-                       masters_away=max(0.0, g.master_params - 8 * max(units) / intra) if streamed else 0.0)
+                       streamed=streamed, shards_away=streamed and offload.grads and grpo.release_grads)
         return baseline, g
 
     if stage is not None:

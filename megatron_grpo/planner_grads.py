@@ -262,15 +262,16 @@ def release_memory(g, grpo, units: List[int], weights: List[Dict[str, float]],
                    residuals: List[int], late: List[int], ef_tiers: set, shard_ranks: int,
                    micro_batches: int, overlap_grad_reduce: bool,
                    events: Optional[Sequence[Tuple[int, float]]] = None,
-                   last_activations: Optional[int] = None, shards_away: bool = False,
-                   masters_away: float = 0.0) -> None:
+                   last_activations: Optional[int] = None, streamed: bool = False,
+                   shards_away: bool = False) -> None:
     """Set the gradient and staged-residual fields of ``g`` (a planner Memory) to the steady
     peak's moment, ``g.grad_peaks`` and ``g.step_peaks`` by kind of step and, with
     --grpo-release-grads, ``g.first_iteration`` to the first iteration's peak. ``events``
     and ``last_activations``: ``grad_timeline``'s. ``shards_away``: the memory tier moves the
     gradient shards of the units its optimizer step streams (the dynamic and stable tiers; every
-    unit in the warm-up, hence the first iteration). ``masters_away``: master bytes the memory
-    tier holds away through the first iteration (all but the two units streaming)."""
+    unit in the warm-up, hence the first iteration). ``streamed``: the memory tier streams the
+    optimizer step, so through the first iteration the masters are away but the two units'
+    streaming (4 bytes per shard element each)."""
     release = grpo.release_grads
     prefilled = micro_batches > 1 or not release
     # Without release megatron's own overlap: every sync starts as its unit is ready.
@@ -305,6 +306,7 @@ def release_memory(g, grpo, units: List[int], weights: List[Dict[str, float]],
     early = release and grpo.first_batch_overlap and window is not None
     moment, g.grad_peaks["first"] = grad_timeline(first, g.activations, window if early else None,
                                                   prefilled, release, events, last_activations)
+    masters_away = max(0.0, g.master_params - 2 * 4 * max(units) / shard_ranks) if streamed else 0.0
     g.step_peaks["first"] = round(g.params + g.master_params - masters_away + moment.total)
     g.first_iteration = g.step_peaks["first"] if release else 0
     g.grad_peaks = {k: round(v) for k, v in g.grad_peaks.items()}

@@ -44,14 +44,14 @@ class GradShards:
         self.store, self.placement, self.ctrl = store, placement, ctrl
         self.wanted: set = set()
         # (unit, bucket index) -> the shard main params read from that bucket's shard
-        self.params: Dict[Hashable, List[Tuple[object, torch.nn.Parameter, torch.Tensor, dict]]] = {}
+        self.params: Dict[Hashable, List[Tuple[torch.nn.Parameter, torch.Tensor, dict]]] = {}
         for opt in optimizers:
             for model_param, shard in opt._pairs():
                 bucket = opt._bucket_of(model_param)
                 unit = ctrl.unit_of_bucket[id(bucket)]
                 index = next(i for i, b in enumerate(ctrl.units[unit].group.buckets) if b is bucket)
                 self.params.setdefault((unit, index), []).append(
-                    (opt, model_param, shard, opt._get_model_param_range_map(model_param)))
+                    (model_param, shard, opt._get_model_param_range_map(model_param)))
         self.norms: Dict[int, torch.Tensor] = {}  # id(shard main param) -> its gradient's norm
 
     def begin_step(self, update_now: bool) -> None:
@@ -69,7 +69,7 @@ class GradShards:
         like = grads.grad[:grads.shard_len]
         buffer = self.store.buffer(key, like)  # the bucket's registered buffer, allocated again
         grads.release(into=buffer)
-        for _, model_param, shard, ranges in self.params.get(key, []):
+        for model_param, shard, ranges in self.params.get(key, []):
             if model_param not in grads.copies:  # a late param's own copy stays resident
                 grad = grads.param_grad(model_param, ranges["param"], ranges["gbuf_world_in_bucket"])
                 self.norms[id(shard)] = torch.norm(grad.float())

@@ -187,8 +187,9 @@ def _window_inner_step(oi: int, opt, placement: TierPlacement, ctrl) -> None:
 
         placement.stream([w for w in windows if w in streamed], update)
         counters.end()
-        if opt.grads_still_away():  # would be a unit silently not updated
-            raise RuntimeError(f"GRPO memory tier: gradients of units {opt.grads_still_away()} "
+        still_away = opt.grads_still_away()
+        if still_away:  # would be a unit silently not updated
+            raise RuntimeError(f"GRPO memory tier: gradients of units {still_away} "
                                f"went away but their units were not in this step's stream")
         # A streamed unit with no gradient on this rank was not stepped, so its weights did
         # not change, and its master is away: megatron's copy after the step must skip it.
