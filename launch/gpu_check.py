@@ -1,4 +1,4 @@
-"""Device check of the GPU path (issue 27, item 9): one CUDA device, about 8 minutes, five phases.
+"""Device check of the GPU path (issue 27, item 9): one CUDA device, about 4 minutes on an H200, five phases.
 
     bash launch/gpu_check.sh                     # the usual entry (OUT=... for the logs)
     bash launch/gpu_check.sh --cpu               # the CPU dry run (in the default test suite)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device check of the GPU path (issue 27 item 9): one CUDA device, about 8 minutes, phases a-e
+# Device check of the GPU path (issue 27 item 9): one CUDA device, about 4 minutes on an H200, phases a-e
 # (launch/gpu_check.py says what each asserts). Logs: OUT/phase_<x>.log, OUT/summary.txt,
 # OUT/results.json (7 files; a device machine returns at most 8).
 #

@@ -28,7 +28,9 @@ from .common import Expect
 def _bits(t):
     import torch
 
-    t = t.detach().contiguous().to("cpu")
+    t = t.detach().to("cpu", copy=True).contiguous()
+    if t.is_floating_point():  # one NaN pattern: its payload is the device's (tensor_checks._bits)
+        t[torch.isnan(t)] = float("nan")
     return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
 
 
@@ -187,10 +189,14 @@ def check_outer_sync(ex: Expect, device: str, groups) -> None:
             figures.append((float(spread), float(size)))
         outs[side] = (local, opt.anchor["k"], opt.momentum["k"], figures)
     same = [_same(a, b) for a, b in zip(outs["dev"][:3], outs["cpu"][:3])]
-    ex.that(all(same) and outs["dev"][3] == outs["cpu"][3],
+    # The drift figures are norms: a reduction, summed in another order on the GPU (seen: the
+    # state bit-identical, a figure not), so they agree to a relative 1e-5, not bit for bit.
+    figs = [(d, c) for fd, fc in zip(outs["dev"][3], outs["cpu"][3]) for d, c in zip(fd, fc)]
+    rel = max(abs(d - c) / max(abs(c), 1e-30) for d, c in figs)
+    ex.that(all(same) and rel < 1e-5,
             f"OuterOptimizer.sync (lr 0.7, momentum 0.5; 3 int4 syncs, then an exact one): local "
-            f"shard, anchor, momentum and drift figures on {device} identical to gloo/CPU "
-            f"(local/anchor/momentum {same})")
+            f"shard, anchor and momentum on {device} identical to gloo/CPU (local/anchor/momentum "
+            f"{same}), drift figures within 1e-5 (max rel diff {rel:.2e})")
 
 
 def check_collectives(ex: Expect, device: str = "cuda") -> None:

@@ -18,10 +18,15 @@ from .common import CheckSkipped, Expect
 
 
 def _bits(t):
-    """fp32 tensor as int32 bits (NaN-safe bitwise comparison), on the CPU."""
+    """fp32 tensor as int32 bits (NaN-safe bitwise comparison), on the CPU, every NaN as the one
+    pattern 0x7fc00000: a NaN's payload is the device's choice (0 * inf is 0xffc00000 on an x86
+    CPU and 0x7fffffff on an H200, seen in the first GPU check), and only NaN-ness carries
+    meaning (megatron's NaN check); every other value is compared bit for bit."""
     import torch
 
-    return t.detach().contiguous().to("cpu").view(torch.int32)
+    t = t.detach().to("cpu", copy=True).contiguous()
+    t[torch.isnan(t)] = float("nan")
+    return t.view(torch.int32)
 
 
 def _same_bits(a, b) -> bool:

@@ -263,3 +263,23 @@ def test_cpu_dry_run_passes_every_phase(tmp_path):
                    "2 ranks: losses with the memory tier = without"):
         assert needle in out, needle
     print(f"CPU dry run: {time.time() - t0:.1f} s")
+
+
+def test_bit_comparisons_take_any_nan_as_one_and_nothing_else():
+    """The check compares decoded values bit for bit, NaN-ness included but not a NaN's payload,
+    which is the device's choice (0 * inf: 0xffc00000 on an x86 CPU, 0x7fffffff on an H200,
+    seen in the first GPU check, where every shape with a non-finite chunk 'differed')."""
+    from gpu_checks import comm_checks, tensor_checks
+
+    def from_bits(*words):
+        return torch.tensor(list(words), dtype=torch.int64).to(torch.int32).view(torch.float32)
+
+    cpu_nan, cuda_nan = from_bits(0xffc00000, 0x3f800000), from_bits(0x7fffffff, 0x3f800000)
+    one_ulp_off = from_bits(0x7fffffff, 0x3f800001)
+    number_for_nan = from_bits(0x3f800000, 0x3f800000)
+    for same in (tensor_checks._same_bits, comm_checks._same):
+        assert same(cpu_nan, cuda_nan)
+        assert not same(cpu_nan, one_ulp_off)
+        assert not same(cpu_nan, number_for_nan)
+        assert not same(torch.tensor([0.0]), torch.tensor([-0.0]))
+    assert torch.isnan(cpu_nan[0]) and cpu_nan.view(torch.int32)[0] != 0x7fc00000  # input untouched
