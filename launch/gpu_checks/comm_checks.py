@@ -211,7 +211,7 @@ def check_collectives(ex: Expect, device: str = "cuda") -> None:
     calls = dict(counter.snapshot().get("calls", {}))
     wanted = ("all_to_all_single", "all_gather_into_tensor", "all_reduce")
     ex.that(all(calls.get(op, 0) > 0 for op in wanted),
-            f"the checks went through the counted collectives (strict device mode): "
+            "the checks went through the counted collectives (strict device mode): "
             + ", ".join(f"{op} x{calls.get(op, 0)}" for op in wanted))
     ex.number("collective_calls", calls)
 
