@@ -76,8 +76,8 @@ def main(argv=None):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_grpo.comm.wire import wire_counter
-    from megatron_grpo.config import GRPOConfig
-    from megatron_grpo.controller import GRPOController
+    from megatron_grpo.grpo.config import GRPOConfig
+    from megatron_grpo.grpo.controller.core import GRPOController
     from megatron_grpo.megatron import (GRPODistributedDataParallel, get_grpo_optimizer,
                                         grpo_optimizers, install)
 

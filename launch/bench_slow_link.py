@@ -38,7 +38,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests", "multinode"))
 sys.path.insert(0, REPO)
 
-from megatron_grpo.metrics_log import read_metrics  # noqa: E402
+from megatron_grpo.training.metrics_log import read_metrics  # noqa: E402
 
 SBATCH = os.path.join(REPO, "launch", "slurm", "pretrain_gpt_grpo.sbatch")
 UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}

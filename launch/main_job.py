@@ -22,7 +22,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from megatron_grpo.bench import figures  # noqa: E402
-from megatron_grpo.metrics_log import read_metrics  # noqa: E402
+from megatron_grpo.training.metrics_log import read_metrics  # noqa: E402
 
 RUN_FLAGS = {"baseline": [], "grpo": ["--grpo"]}
 

@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def preset_plans():
-    from megatron_grpo.planner import plan
+    from megatron_grpo.planner.plan import plan
 
     out = []
     for name, config, nodes in PRESETS:
@@ -79,7 +79,7 @@ def preset_plans():
 
 
 def presets_table() -> str:
-    from megatron_grpo.planner import format_table
+    from megatron_grpo.planner.plan import format_table
 
     plans = preset_plans()
     return format_table([p for _, p in plans], [n for n, _ in plans])
@@ -87,7 +87,7 @@ def presets_table() -> str:
 
 def largest_models(model, cluster, grpo, bucket, offload, memory_gb: float, reserve_gb: float) -> str:
     """--largest-model: the baseline's and GRPO's largest layer count under memory_gb per GPU."""
-    from megatron_grpo.planner_capacity import format_capacity, largest_model
+    from megatron_grpo.planner.capacity import format_capacity, largest_model
 
     if reserve_gb < 0 or reserve_gb >= memory_gb:
         raise ValueError(f"--reserve-gb must be >= 0 and below --gpu-memory-gb ({memory_gb:g}), "
@@ -99,7 +99,7 @@ def largest_models(model, cluster, grpo, bucket, offload, memory_gb: float, rese
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from megatron_grpo.planner import format_plan, plan
+    from megatron_grpo.planner.plan import format_plan, plan
     from megatron_grpo.training.arguments import ConfigError
 
     args, train_argv = build_parser().parse_known_args(argv)
@@ -117,7 +117,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(largest_models(model, cluster, grpo, bucket, offload, args.gpu_memory_gb,
                                  args.reserve_gb))
         if cluster.nodes > 1 or cluster.instances > 1:
-            from megatron_grpo.planner_internode import format_internode, internode
+            from megatron_grpo.planner.internode import format_internode, internode
 
             print(format_internode(internode(model, cluster, grpo, bucket_size=bucket, stage=p.traffic_stage),
                                    flat_grpo=p.grpo_bytes if cluster.dp_spans_nodes else 0.0))

@@ -55,8 +55,8 @@ def run_training(nproc: int, args: Sequence[str], timeout: int = 300,
 
 def read_metrics(path: str) -> List[dict]:
     """The last run's per-iteration records as logged (a resumed segment's repeated iterations
-    included; headers skipped): megatron_grpo.metrics_log.read_logged."""
-    from megatron_grpo.metrics_log import read_logged
+    included; headers skipped): megatron_grpo.training.metrics_log.read_logged."""
+    from megatron_grpo.training.metrics_log import read_logged
 
     return read_logged(path)
 

@@ -12,8 +12,8 @@ stable tier, the weight hash checked after every step:
   GRPO's compressed inter-instance all-reduce (megatron_grpo/comm/hierarchical.py).
 
 Every step's counted bytes must equal the planner's prediction from that step's tier map: per
-tier for the flat runs (megatron_grpo.planner.plan), across nodes for the hierarchical one
-(megatron_grpo.planner_internode.internode), as tests/multiproc/test_planner_measured.py and
+tier for the flat runs (megatron_grpo.planner.plan.plan), across nodes for the hierarchical one
+(megatron_grpo.planner.internode.internode), as tests/multiproc/test_planner_measured.py and
 test_hierarchy.py hold CPU runs to them.
 """
 
@@ -44,7 +44,7 @@ def runs(ctx) -> List[TrainRun]:
 
 def flat_predictor(args: List[str]) -> Callable[[str, bool], Dict[str, int]]:
     """tier map, stable update? -> the planner's bytes per tier for one step of the flat run."""
-    from megatron_grpo.planner import plan
+    from megatron_grpo.planner.plan import plan
 
     model, cluster, grpo, bucket = specs.plan_inputs(args, nodes=1, gpus_per_node=2)
     warm = plan(model, cluster, grpo, bucket_size=bucket).grpo_warmup_bytes
@@ -59,7 +59,7 @@ def flat_predictor(args: List[str]) -> Callable[[str, bool], Dict[str, int]]:
 
 def hier_predictor(args: List[str]) -> Callable[[str, bool], Optional[int]]:
     """tier map, stable update? -> inter-node bytes of a tiered step (None in the warm-up)."""
-    from megatron_grpo.planner_internode import internode
+    from megatron_grpo.planner.internode import internode
 
     model, cluster, grpo, bucket = specs.plan_inputs(args, nodes=2, gpus_per_node=1)
 

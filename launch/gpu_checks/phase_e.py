@@ -11,10 +11,10 @@ device (step times). What must hold:
 * a monitoring step costs little time (<= 1.5x the steady steps like it + 50 ms: same
   stable-update status, since an update step syncs the stable tier too) and little memory: its
   peak exceeds the steps like it (same stable-update status) by at most two units' fp32 bytes
-  plus four health chunks (megatron_grpo/health.py sums in bounded chunks; bucket-sized fp64
+  plus four health chunks (megatron_grpo/grpo/health.py sums in bounded chunks; bucket-sized fp64
   copies, the defect of issue 27 item 2, are 8x a unit);
 * GRPO's peak over the baseline's is at most the planner's extra state (residuals, delayed
-  accumulators: megatron_grpo.planner.plan) plus 10 % of the baseline's peak (512 MiB at least).
+  accumulators: megatron_grpo.planner.plan.plan) plus 10 % of the baseline's peak (512 MiB at least).
 
 The CPU dry run cannot train this model: it runs the same analysis on recorded-shape numbers
 (``synthetic``) and checks that it passes them and fails each defect.
@@ -31,7 +31,7 @@ from .phase_c import check_run
 from .runs import TrainRun
 
 MIB = 2**20
-HEALTH_CHUNK_BYTES = 4 * (1 << 20)  # megatron_grpo.health.HEALTH_CHUNK_ELEMENTS fp32 elements
+HEALTH_CHUNK_BYTES = 4 * (1 << 20)  # megatron_grpo.grpo.health.HEALTH_CHUNK_ELEMENTS fp32 elements
 STEP_RATIO_MAX = 1.15
 MONITOR_TIME = (1.5, 0.05)
 
@@ -48,7 +48,7 @@ def unit_bytes() -> int:
 
 def planned(tiers: str, attention: str) -> Tuple[int, int]:
     """(baseline, GRPO) planned per-rank memory totals for the runs' flags and final tier map."""
-    from megatron_grpo.planner import plan
+    from megatron_grpo.planner.plan import plan
 
     model, cluster, grpo, bucket = specs.plan_inputs([*specs.big(20), *specs.BIG_GRPO], nodes=1,
                                                      gpus_per_node=2, attention=attention)

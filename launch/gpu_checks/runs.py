@@ -182,7 +182,7 @@ def _finish(ctx: Context, act: _Active) -> None:
     run.rcs = [p.returncode for p in act.procs]
     metrics = os.path.join(ctx.work, f"{run.name}.jsonl")
     if os.path.exists(metrics):
-        from megatron_grpo.metrics_log import read_metrics  # one record per iteration, headers skipped
+        from megatron_grpo.training.metrics_log import read_metrics  # one record per iteration, headers skipped
 
         run.records = read_metrics(metrics)
     for rank in range(run.nproc):

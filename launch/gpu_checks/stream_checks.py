@@ -52,7 +52,7 @@ def _host_synced_ms(cycles: int) -> float:
 def check_interval_timer_cuda(ex: Expect, device: str = "cuda") -> None:
     import torch
 
-    from megatron_grpo.timing import IntervalTimer
+    from megatron_grpo.grpo.timing import IntervalTimer
 
     if torch.device(device).type != "cuda":
         raise CheckSkipped("needs CUDA events")
@@ -130,8 +130,8 @@ def build_test_controller(device: str, units: int = 4, numel: int = 1 << 16):
     import torch
     import torch.distributed as dist
 
-    from megatron_grpo.config import GRPOConfig
-    from megatron_grpo.controller import GRPOController
+    from megatron_grpo.grpo.config import GRPOConfig
+    from megatron_grpo.grpo.controller.core import GRPOController
 
     if not dist.is_initialized():
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -191,7 +191,7 @@ def check_error_feedback_cuda(ex: Expect, device: str = "cuda") -> None:
 def check_importance_cuda(ex: Expect, device: str = "cuda") -> None:
     import torch
 
-    from megatron_grpo.importance import ImportanceTracker
+    from megatron_grpo.grpo.importance import ImportanceTracker
 
     cuda = torch.device(device).type == "cuda"
     counts = [2, 3, 1]

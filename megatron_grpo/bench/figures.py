@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 from typing import Dict, List, Optional, Sequence
 
-from megatron_grpo.config import TIERS  # noqa: E402 - the one definition
+from megatron_grpo.grpo.config import TIERS  # noqa: E402 - the one definition
 
 LATE_LOSS_NOTE = ("late loss: mean training loss over the second half of the run, against the "
                   "baseline of the same seed (the same batches in the same order). These runs see "

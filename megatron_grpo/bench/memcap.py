@@ -9,7 +9,7 @@ search starts at the planner's prediction and walks one layer at a time to the b
 largest size that trains with one layer more killed by the OOM killer. A failure that is not an
 OOM kill stops the benchmark (it is never counted as "does not fit").
 
-The planner (``megatron_grpo.planner_capacity``: model state and activations per rank) is
+The planner (``megatron_grpo.planner.capacity``: model state and activations per rank) is
 calibrated on the baseline alone, as a user would with one run: the baseline's largest run gives
 the per-rank budget (its peak RSS) and the reserve (that peak less the planner's figure). GRPO's
 largest sizes are then predicted and held against their measured boundaries. The same
@@ -213,7 +213,7 @@ class Prober:
 
 def _plan_largest(spec, contender: Contender, budget_per_rank: float, reserve: float):
     """The planner's largest layer count for this contender, the run's flags as given."""
-    from megatron_grpo.planner_capacity import largest_model
+    from megatron_grpo.planner.capacity import largest_model
 
     model, cluster, grpo, bucket, offload = _flags_spec(spec, contender)
     which = "baseline" if contender.name == "baseline" else "grpo"
@@ -289,7 +289,7 @@ def run(args, command: str) -> SuiteResult:
                      f"{os.path.basename(spec.config)} with --num-layers varied, {ITERS} "
                      f"iterations each; a size fits when it trains every iteration and nothing is "
                      f"OOM-killed")
-    res.notes.append(f"planner (megatron_grpo/planner_capacity.py), calibrated on the baseline's "
+    res.notes.append(f"planner (megatron_grpo/planner/capacity.py), calibrated on the baseline's "
                      f"largest run alone: per-rank budget = its rank-0 peak RSS "
                      f"({budget / 1e6:.0f} MB), reserve = that peak less the planner's model state "
                      f"and activations ({reserve / 1e6:.0f} MB: runtime, shared libraries, "
@@ -331,7 +331,7 @@ def _calibrate(spec, baseline: Contender, largest: int, probes: Dict[int, Probe]
 
 def _model_peak(spec, contender: Contender, layers: int, reserve: int) -> int:
     """The planner's peak per rank at ``layers`` for this contender, plus ``reserve``."""
-    from megatron_grpo.planner_capacity import rank_peak_bytes
+    from megatron_grpo.planner.capacity import rank_peak_bytes
 
     model, cluster, grpo, bucket, offload = _flags_spec(spec, contender, layers)
     return rank_peak_bytes(model, cluster, grpo, "baseline" if contender.name == "baseline"
@@ -342,7 +342,7 @@ def _params(spec, contender: Contender, layers: int) -> int:
     """Parameters of the model at ``layers`` (the planner's count, equal to megatron's)."""
     if layers <= 0:
         return 0
-    from megatron_grpo.planner_capacity import model_params
+    from megatron_grpo.planner.capacity import model_params
 
     model, cluster, *_ = _flags_spec(spec, contender, layers)
     return model_params(model, cluster)

@@ -127,7 +127,7 @@ def _planner_check(spec, records, summaries) -> list:
     the SSD run placed (its per-step offload_bytes_* records) and what its RSS saved."""
     import dataclasses
 
-    from megatron_grpo.planner import plan, stream_window_bytes
+    from megatron_grpo.planner.plan import plan, stream_window_bytes
     from megatron_grpo.training.memory_budget import spec_from_flags
 
     ssd = [r for r in records.get("grpo-ssd", []) if "grpo_tier_map" in r and r.get("grpo_tiered")]

@@ -102,7 +102,7 @@ def ensure_data(data_path: str) -> None:
 def read_records(path: str) -> List[Dict]:
     """Per-iteration records of a metrics JSONL, one per iteration, of the file's last run
     (metrics_log.read_metrics: headers and a torn line of a killed run are skipped)."""
-    from megatron_grpo.metrics_log import read_metrics
+    from megatron_grpo.training.metrics_log import read_metrics
 
     return read_metrics(path)
 

@@ -37,7 +37,7 @@ def run_hooks(cfg) -> RunHooks:
 def grpo_hooks(cfg):
     """RunHooks for ``megatron_grpo.training.loop.run`` with GRPO enabled (and, with
     --grpo-offload cpu|ssd, the memory tier's placement of the stable tier's state)."""
-    from megatron_grpo.controller import GRPOController
+    from megatron_grpo.grpo.controller.core import GRPOController
     from megatron_grpo.megatron.offload import build_placement, unit_state
 
     state = {"placement": None}

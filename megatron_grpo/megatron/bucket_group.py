@@ -196,7 +196,7 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
     def _start_compressed_reduce(self, tier: str, compressor) -> None:
         """Dynamic, core with --grpo-core-compressor, or stable with --grpo-stable-mode
         compressed: a compressed reduce-scatter with error
-        feedback; on monitoring steps it reports its health sums (megatron_grpo.health)."""
+        feedback; on monitoring steps it reports its health sums (megatron_grpo.grpo.health)."""
         ctrl = self.grpo
         self._scale()
         self._add_pending(scale_first=True)

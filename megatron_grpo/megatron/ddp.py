@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
 
-from megatron_grpo.config import default_bucket_elements
+from megatron_grpo.grpo.config import default_bucket_elements
 from megatron_grpo.megatron.grad_storage import GradStorage, cut_buffer
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Dict, Iterable
 
-from megatron_grpo.config import TIERS
+from megatron_grpo.grpo.config import TIERS
 from megatron_grpo.megatron.offload import unit_state
 
 KINDS = ("grads", "masters", "moments", "residuals", "accumulators")

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 
-from megatron_grpo.config import ConfigError  # noqa: F401 - defined low so every layer can raise it
+from megatron_grpo.grpo.config import ConfigError  # noqa: F401 - defined low so every layer can raise it
 from megatron_grpo.training.config import SECTIONS, PretrainConfig
 
 
@@ -360,7 +360,7 @@ def validate(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
         if t.global_batch_size % (t.micro_batch_size * dp):
             raise ConfigError(f"--global-batch-size ({t.global_batch_size}) must be a multiple of "
                               f"--micro-batch-size x data-parallel size ({t.micro_batch_size} x {dp})")
-    from megatron_grpo.config import GRPOConfigError
+    from megatron_grpo.grpo.config import GRPOConfigError
     from megatron_grpo.offload.config import OffloadConfigError
 
     try:

@@ -220,7 +220,7 @@ def bucket_layout(cfg, grpo_bucket_size: Optional[int], dp: int) -> Dict:
         out = {"first_stage": int(grpo_bucket_size),
                "later_stages": int(grpo_bucket_size) if later_exist else None}
     else:
-        from megatron_grpo.config import default_bucket_elements
+        from megatron_grpo.grpo.config import default_bucket_elements
 
         first = (cfg.parallel.ddp_bucket_size or default_bucket_elements(dp)) if cfg.parallel.overlap_grad_reduce else None
         out = {"first_stage": first, "later_stages": None}

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from megatron_grpo.config import GRPOConfig
+from megatron_grpo.grpo.config import GRPOConfig
 from megatron_grpo.offload.config import OffloadConfig
 
 

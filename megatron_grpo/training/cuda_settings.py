@@ -152,7 +152,7 @@ def unfused_attention_bytes(cfg, vocab: int) -> int:
     """Activation bytes per GPU, on the busiest pipeline stage, that megatron's local spec
     (unfused attention: S x S scores and probabilities, the causal mask, expanded K/V, torch
     norms) keeps beyond transformer-engine's fused attention, by the planner's model of both."""
-    from megatron_grpo.planner import ClusterSpec, stage_activation_bytes
+    from megatron_grpo.planner.plan import ClusterSpec, stage_activation_bytes
     from megatron_grpo.training.memory_budget import model_spec
 
     p = cfg.parallel
@@ -175,7 +175,7 @@ def unfused_attention_warning(cfg, spec_name: str, vocab: int) -> Optional[str]:
     return (f"attention is unfused: without transformer-engine megatron-core's local layer spec "
             f"materialises the S x S attention scores. At --seq-length {m.seq_length} (micro-batch "
             f"{t.micro_batch_size}, TP {p.tensor_model_parallel_size}) that keeps {extra / 1e9:.1f} GB "
-            f"more activations per GPU than fused attention (planner, megatron_grpo/activations.py), "
+            f"more activations per GPU than fused attention (planner, megatron_grpo/planner/activations.py), "
             f"and its time grows with S^2, for the baseline and GRPO alike. Install transformer-engine "
             f"(fused attention), or lower --seq-length / --micro-batch-size, or recompute attention "
             f"(--recompute-granularity selective)")

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megatron_grpo.comm.wire import wire_counter
 from megatron_grpo.hooks import RunHooks
-from megatron_grpo.metrics import MetricsLogger, peak_rss_bytes, step_peak_rss_bytes
+from megatron_grpo.training.metrics import MetricsLogger, peak_rss_bytes, step_peak_rss_bytes
 from megatron_grpo.platform import select_platform
 from megatron_grpo.training import checkpoint_dirs, checkpointing, launcher_watch, resume_flags, save_lock
 from megatron_grpo.training.config import PretrainConfig

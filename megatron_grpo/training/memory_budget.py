@@ -1,6 +1,6 @@
 """--grpo-memory-budget-gb: the memory tier's placement chosen from the planner's prediction.
 
-Before the model is built, the planner (megatron_grpo.planner, held to the measured model state
+Before the model is built, the planner (megatron_grpo.planner.plan, held to the measured model state
 and activations by tests/multiproc/test_planner_measured.py) predicts this rank's peak for each
 placement in tier order, and the first that fits the budget is used:
 
@@ -45,7 +45,7 @@ GB = 1e9
 
 def model_spec(cfg, vocab: int, attention: str):
     """The planner's ModelSpec of a training config (also launch/plan.py's)."""
-    from megatron_grpo.planner import ModelSpec
+    from megatron_grpo.planner.plan import ModelSpec
 
     m, t = cfg.model, cfg.training
     return ModelSpec(num_layers=m.num_layers, hidden=m.hidden_size, heads=m.num_attention_heads,
@@ -69,7 +69,7 @@ def spec_from_flags(train_argv: Sequence[str], nodes: int, gpus_per_node: int, g
                     nvlink_gbps: float = 3600.0):
     """(ModelSpec, ClusterSpec, GRPOConfig, ddp bucket size, OffloadConfig) from training
     flags/--config, read as launch/pretrain_gpt.py reads them (launch/plan.py, the benchmarks)."""
-    from megatron_grpo.planner import ClusterSpec
+    from megatron_grpo.planner.plan import ClusterSpec
     from megatron_grpo.training.arguments import parse_args
 
     for flag, value in (("--nodes", nodes), ("--gpus-per-node", gpus_per_node)):
@@ -121,7 +121,7 @@ def _size(nbytes: int) -> str:
 def choose(cfg, vocab: int, attention: str, world_size: int, base_bytes: int, rank: int = 0):
     """(the OffloadConfig to run with, BudgetChoice). Raises ConfigError when even the last
     level's predicted peak is above the budget, naming the flag, the rank and what to change."""
-    from megatron_grpo.planner import ClusterSpec, plan
+    from megatron_grpo.planner.plan import ClusterSpec, plan
     from megatron_grpo.training.arguments import ConfigError
 
     off = cfg.offload

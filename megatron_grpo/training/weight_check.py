@@ -38,7 +38,7 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.config import ConfigError
+from megatron_grpo.grpo.config import ConfigError
 
 FLAG = "--check-weight-hash-interval"
 

@@ -47,7 +47,7 @@ def install_strict_devices(old_bug: bool) -> None:
     import functools
 
     from megatron_grpo.comm.wire import wire_counter
-    from megatron_grpo.controller import GRPOController
+    from megatron_grpo.grpo.controller.core import GRPOController
     from megatron_grpo.megatron.bucket_group import GRPOBucketGroup
     from megatron_grpo.megatron.optimizer import GRPODistributedOptimizer
 
@@ -68,7 +68,7 @@ def install_strict_devices(old_bug: bool) -> None:
     if old_bug:
         import torch.distributed as dist
 
-        from megatron_grpo.replica import ReplicaLayout
+        from megatron_grpo.grpo.replica import ReplicaLayout
 
         def old_sum(self, local_rows):  # what _finish_gvr did: a vector made without device=
             full = torch.zeros((self.num_global,) + tuple(local_rows.shape[1:]), dtype=local_rows.dtype)

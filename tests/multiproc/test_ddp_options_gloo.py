@@ -53,8 +53,8 @@ def _synced_shard(rank, average, tier, cp):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_grpo.config import GRPOConfig
-    from megatron_grpo.controller import GRPOController
+    from megatron_grpo.grpo.config import GRPOConfig
+    from megatron_grpo.grpo.controller.core import GRPOController
     from megatron_grpo.megatron import grpo_data_parallel_group, install
 
     tf = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,

@@ -54,7 +54,7 @@ def _layouts(rank, port, queue):
 def _collect(out, layout):
     from megatron.core.distributed import DistributedDataParallel
 
-    from megatron_grpo.config import GRPOConfig
+    from megatron_grpo.grpo.config import GRPOConfig
     from megatron_grpo.megatron.ddp import GRPODistributedDataParallel
 
     for overlap in (False, True):

@@ -90,7 +90,7 @@ def test_grpo_between_instances_keeps_every_copy_identical(runs):
 
 
 def test_planner_predicts_the_inter_node_bytes(runs, stdlib_data):
-    from megatron_grpo.planner_internode import internode
+    from megatron_grpo.planner.internode import internode
     from megatron_grpo.training.memory_budget import spec_from_flags
 
     flags = runs["grpo_flags"]

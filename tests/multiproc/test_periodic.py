@@ -64,7 +64,7 @@ def test_copies_identical_inside_instances_and_across_them_after_each_full_sync(
 
 
 def test_bytes_between_instances_are_the_planners(run, stdlib_data):
-    from megatron_grpo.planner_internode import internode
+    from megatron_grpo.planner.internode import internode
 
     spec = importlib.util.spec_from_file_location("plan_cli", os.path.join(REPO, "launch", "plan.py"))
     plan_cli = importlib.util.module_from_spec(spec)

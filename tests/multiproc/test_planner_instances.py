@@ -26,7 +26,7 @@ import pytest
 
 from harness import REPO, SMALL_MODEL, env, free_port, read_metrics
 
-from megatron_grpo.planner import plan
+from megatron_grpo.planner.plan import plan
 from megatron_grpo.training.memory_budget import spec_from_flags
 
 ITERS = 12

@@ -21,7 +21,7 @@ import pytest
 
 from harness import GRPO_SMALL, REPO, SMALL_MODEL, env, free_port, read_metrics
 
-from megatron_grpo.planner import plan, stage_activation_bytes, stage_kept_bytes
+from megatron_grpo.planner.plan import plan, stage_activation_bytes, stage_kept_bytes
 
 # launch/plan.py reads training flags exactly as the planner CLI does.
 _spec = importlib.util.spec_from_file_location("plan_cli", os.path.join(REPO, "launch", "plan.py"))

@@ -45,8 +45,8 @@ def _train(rank):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_grpo.config import GRPOConfig
-    from megatron_grpo.controller import GRPOController
+    from megatron_grpo.grpo.config import GRPOConfig
+    from megatron_grpo.grpo.controller.core import GRPOController
     from megatron_grpo.megatron import grpo_data_parallel_group, install
     from megatron_grpo.offload import ChunkStore, OffloadConfig
     from megatron_grpo.offload.residuals import OffloadedResiduals

@@ -26,7 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/: harness
 
 from harness import ENTRY, GRPO_SMALL, REPO, SMALL_MODEL, env, free_port  # noqa: E402
-from megatron_grpo.metrics_log import read_logged  # noqa: E402
+from megatron_grpo.training.metrics_log import read_logged  # noqa: E402
 
 PROBE = os.path.join(HERE, "fault_probe.py")
 JOB_ENV = "MEGATRON_GRPO_RELIABILITY_JOB"

@@ -27,7 +27,7 @@ import pytest
 from harness import REPO, losses
 from reliability_harness import (REF_ITERS, REF_SAVE_INTERVAL, base_args, first_line, rank_errors, run_job,
                                  run_to_end, start_job, torchrun_failure, tree_digest)
-from megatron_grpo.metrics_log import read_entries, read_logged, read_metrics
+from megatron_grpo.training.metrics_log import read_entries, read_logged, read_metrics
 from megatron_grpo.training import checkpointing
 from megatron_grpo.training.save_lock import LOCK_NAME
 

@@ -298,7 +298,7 @@ def test_contenders_subset_on_another_config_gets_its_own_section(tmp_path, monk
 def test_memory_suite_checks_the_planner_against_what_the_ssd_run_placed():
     from megatron_grpo.bench import memory
     from megatron_grpo.bench.runner import CONFIGS, RunSpec
-    from megatron_grpo.planner import plan, stream_window_bytes
+    from megatron_grpo.planner.plan import plan, stream_window_bytes
     from megatron_grpo.training.memory_budget import spec_from_flags
 
     config = os.path.join(CONFIGS, "mem100m.yaml")

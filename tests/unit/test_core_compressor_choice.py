@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_grpo.comm.compress import Int4Compressor, Int8Compressor
-from megatron_grpo.config import GRPOConfig, GRPOConfigError
-from megatron_grpo.controller import GRPOController
-from megatron_grpo.planner import ClusterSpec, ModelSpec, plan
+from megatron_grpo.grpo.config import GRPOConfig, GRPOConfigError
+from megatron_grpo.grpo.controller.core import GRPOController
+from megatron_grpo.planner.plan import ClusterSpec, ModelSpec, plan
 
 
 def _ctrl(tiers, dp=2, tiered=True, core="int8", pinned=(), core_exact=False):

@@ -28,7 +28,7 @@ def _ddp(grad_dtype=torch.float32, ddp=None, tf=None, dp_cp=None, ctrl_dp=2):
     chunk = SimpleNamespace(ddp_config=ddp_config, config=SimpleNamespace(**(tf or {})))
     if dp_cp is not None:
         chunk.dp_cp_group = SimpleNamespace(size=lambda: dp_cp)
-    from megatron_grpo.config import GRPOConfig
+    from megatron_grpo.grpo.config import GRPOConfig
 
     ctrl = SimpleNamespace(units=[SimpleNamespace(group=group, index=0)], dp_size=ctrl_dp,
                            config=GRPOConfig(enabled=True), powersgd=None)

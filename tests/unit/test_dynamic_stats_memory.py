@@ -14,7 +14,7 @@ import torch
 from megatron_grpo.comm import dynamic
 from megatron_grpo.comm.compress import build_compressor
 from megatron_grpo.comm.error_feedback import ErrorFeedback
-from megatron_grpo.health import HealthSums
+from megatron_grpo.grpo.health import HealthSums
 
 from test_health_chunks import _AllocationRecorder  # noqa: E402  (tests/unit is on sys.path)
 

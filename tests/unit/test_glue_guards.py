@@ -36,7 +36,7 @@ def test_partial_distributed_optimizer_refuses_what_it_does_not_carry(ctrl_extra
 def test_periodic_tiers_with_one_instance_are_refused_at_install():
     # --num-distributed-optimizer-instances 0 resolves to 1 on a single node: the periodic tiers
     # would have nothing to sync across, so the run stops before any bucket group changes.
-    from megatron_grpo.config import GRPOConfig
+    from megatron_grpo.grpo.config import GRPOConfig
 
     group = SimpleNamespace()
     ctrl = SimpleNamespace(units=[SimpleNamespace(group=group, index=0)], dp_size=2,

@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_grpo import health
-from megatron_grpo.health import FIELDS, HealthSums, health_figures
+from megatron_grpo.grpo import health
+from megatron_grpo.grpo.health import FIELDS, HealthSums, health_figures
 
 CHUNK = 4096
 BUCKET = 16 * CHUNK + 37  # 16 chunks and a ragged tail

@@ -4,9 +4,9 @@ import math
 
 import torch
 
-from megatron_grpo.config import GRPOConfig
-from megatron_grpo.health import FIELDS, HealthWatch
-from megatron_grpo.tiers import GVRMonitor
+from megatron_grpo.grpo.config import GRPOConfig
+from megatron_grpo.grpo.health import FIELDS, HealthWatch
+from megatron_grpo.grpo.tiers import GVRMonitor
 
 
 def _watch(window=2):

@@ -1,21 +1,27 @@
 """The package's imports follow its layout (docs/design.md, "Where things live"): data flows one
 way, importance -> tiers -> per-tier policy -> megatron glue / training -> tools, and nothing
-imports back up that flow, at module level or inside a function. training/ and megatron/ are
-linked only by the hooks (megatron_grpo/hooks.py); the launcher picks them
-(megatron_grpo.megatron.run_hooks). The package never reaches into tests/ or launch/."""
+imports back up that flow, at module level or inside a function. Each part of the package may
+import only the parts ALLOWED lists (a whitelist: a new arrow is a decision, made here).
+training/ and megatron/ are linked only by the hooks (megatron_grpo/hooks.py); the launcher
+picks them (megatron_grpo.megatron.run_hooks). The package never reaches into tests/ or launch/."""
 
 import ast
 import os
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-LOW = ("config", "hooks", "platform", "importance", "tiers", "health", "replica",
-       "outer_schedule", "timing", "comm", "offload", "data")
-RULES = {  # package part -> package parts it must not import
-    **{low: ("megatron", "training", "bench", "convert", "controller", "controller_state",
-             "controller_report") for low in LOW},
-    "training": ("megatron", "bench", "convert"),
-    "megatron": ("training", "bench", "convert"),
+BASE = ("platform", "data", "hooks")
+ALLOWED = {  # part of the package -> the other parts it may import
+    "platform": (), "data": (), "hooks": (),
+    "grpo": (),  # config, importance, tiers, health, replica, outer_schedule, timing
+    "comm": ("grpo",),
+    "offload": ("grpo", "comm"),
+    "grpo.controller": ("grpo", "comm", "offload"),
+    "planner": ("grpo", "comm", "offload"),
+    "megatron": BASE + ("grpo", "comm", "offload", "grpo.controller", "planner"),
+    "training": BASE + ("grpo", "comm", "offload", "planner"),
+    "convert": BASE + ("grpo", "comm", "planner", "training"),
+    "bench": BASE + ("grpo", "comm", "offload", "planner", "training"),
 }
 OUTSIDE = ("tests", "harness", "cluster", "launch")  # modules and paths the package never uses
 
@@ -41,6 +47,16 @@ def _imports(path: str, module: str):
                     yield arg.value, node.lineno
 
 
+def part_of(module: str) -> str:
+    """'megatron_grpo.grpo.controller.core' -> 'grpo.controller'; 'megatron_grpo.comm.wire' -> 'comm'."""
+    parts = module.split(".")
+    if len(parts) < 2:
+        return ""
+    if parts[1] == "grpo" and len(parts) > 2 and parts[2] == "controller":
+        return "grpo.controller"
+    return parts[1]
+
+
 def violations(root: str, package: str = "megatron_grpo"):
     out = []
     for dirpath, _, files in os.walk(os.path.join(root, package)):
@@ -49,14 +65,23 @@ def violations(root: str, package: str = "megatron_grpo"):
                 continue
             path = os.path.join(dirpath, name)
             module = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
-            part = module.split(".")[1] if module.count(".") else ""
+            part = part_of(module)
             for target, line in _imports(path, module):
                 top = target.split(".")
                 if top[0] in OUTSIDE:
                     out.append(f"{module}:{line} uses {target}")
-                elif top[0] == package and len(top) > 1 and top[1] in RULES.get(part, ()):
-                    out.append(f"{module}:{line} imports {target} ({part} must not import {top[1]})")
+                elif top[0] == package and len(top) > 1 and part in ALLOWED:
+                    other = part_of(target)
+                    if other != part and other not in ALLOWED[part]:
+                        out.append(f"{module}:{line} imports {target} ({part} must not import {other})")
     return sorted(out)
+
+
+def test_every_part_of_the_package_has_a_rule():
+    pkg = os.path.join(REPO, "megatron_grpo")
+    names = {n[:-3] if n.endswith(".py") else n for n in os.listdir(pkg)
+             if not n.startswith(("__", ".")) and (n.endswith(".py") or os.path.isdir(os.path.join(pkg, n)))}
+    assert names | {"grpo.controller"} == set(ALLOWED)
 
 
 def test_no_import_runs_back_up_the_flow():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_grpo.importance import ImportanceTracker
+from megatron_grpo.grpo.importance import ImportanceTracker
 
 
 def t(values):

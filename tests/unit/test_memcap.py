@@ -13,10 +13,10 @@ import pytest
 from megatron_grpo.bench import cgroup
 from megatron_grpo.bench.memcap import find_largest, parse_dd
 from megatron_grpo.bench.runner import BenchError
-from megatron_grpo.config import GRPOConfig
+from megatron_grpo.grpo.config import GRPOConfig
 from megatron_grpo.offload.config import OffloadConfig
-from megatron_grpo.planner import ClusterSpec, ModelSpec
-from megatron_grpo.planner_capacity import largest_model, model_params, rank_peak_bytes
+from megatron_grpo.planner.plan import ClusterSpec, ModelSpec
+from megatron_grpo.planner.capacity import largest_model, model_params, rank_peak_bytes
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = ModelSpec(num_layers=1, hidden=768, heads=12, vocab=258, seq_length=128, bf16=False)

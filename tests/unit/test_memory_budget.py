@@ -4,7 +4,7 @@ import pytest
 
 from harness import GRPO_SMALL, SMALL_MODEL
 
-from megatron_grpo.planner import ClusterSpec, plan
+from megatron_grpo.planner.plan import ClusterSpec, plan
 from megatron_grpo.training import memory_budget as mb
 from megatron_grpo.training.arguments import ConfigError, parse_args
 

@@ -10,8 +10,8 @@ import os
 import pytest
 
 from megatron_grpo.bench import runner
-from megatron_grpo.metrics import MetricsLogger
-from megatron_grpo.metrics_log import JsonlLog, MetricsFileError, read_entries, read_logged, read_metrics
+from megatron_grpo.training.metrics import MetricsLogger
+from megatron_grpo.training.metrics_log import JsonlLog, MetricsFileError, read_entries, read_logged, read_metrics
 
 
 def rec(i, loss=1.0):

@@ -2,10 +2,10 @@
 
 import pytest
 
-from megatron_grpo.config import GRPOConfig, GRPOConfigError
-from megatron_grpo.outer_schedule import OuterSchedule
-from megatron_grpo.planner import ClusterSpec, ModelSpec
-from megatron_grpo.planner_internode import internode
+from megatron_grpo.grpo.config import GRPOConfig, GRPOConfigError
+from megatron_grpo.grpo.outer_schedule import OuterSchedule
+from megatron_grpo.planner.plan import ClusterSpec, ModelSpec
+from megatron_grpo.planner.internode import internode
 from megatron_grpo.training.arguments import ConfigError, parse_args
 
 DATA = ["--data-path", "x"]

@@ -11,8 +11,8 @@ import os
 import pytest
 
 from megatron_grpo.comm.analytic import ddp_bucket_numels
-from megatron_grpo.config import GRPOConfig
-from megatron_grpo.planner import (ClusterSpec, ModelSpec, format_plan, format_table,
+from megatron_grpo.grpo.config import GRPOConfig
+from megatron_grpo.planner.plan import (ClusterSpec, ModelSpec, format_plan, format_table,
                                    layer_activation_bytes, plan, stage_activation_bytes,
                                    stage_param_numels)
 
@@ -252,7 +252,7 @@ def test_delayed_accumulators_are_away_with_the_tier_but_for_three_units():
     assert frozen.grpo_memory.delayed_accumulators == 0
 
 # ------------------------------------------------------------ gradient release (issue 28)
-from megatron_grpo.planner_grads import GradMoment, UnitGrads, grad_timeline, residual_bytes  # noqa: E402
+from megatron_grpo.planner.grads import GradMoment, UnitGrads, grad_timeline, residual_bytes  # noqa: E402
 
 # Four units reached in this order, 100..400 elements, 2 ranks (fp32 shard = 2 bytes per
 # element), every one synced and compressed with an fp32 residual (4 bytes per element).
@@ -319,7 +319,7 @@ def test_release_timeline_follows_parameters_and_frees_activations():
 
 
 def test_backward_order_is_the_measured_one():
-    from megatron_grpo.planner_grads import backward_order
+    from megatron_grpo.planner.grads import backward_order
 
     names = ["word", "pos", "ln1.w", "ln1.b", "proj.w", "proj.b", "qkv.w", "qkv.b", "ln2.w", "ln2.b",
              "fc1.w", "fc1.b", "fc2.w", "fc2.b", "fln.w", "fln.b", "out.w"]
@@ -445,9 +445,9 @@ def test_release_peak_is_the_larger_of_the_first_iteration_and_the_steady_step()
 
 
 def test_late_copies_with_pipeline_parallelism():
-    from megatron_grpo.planner_grads import late_bytes
+    from megatron_grpo.planner.grads import late_bytes
 
-    from megatron_grpo.planner_grads import param_units
+    from megatron_grpo.planner.grads import param_units
 
     # PP 2: stage 0's position embedding (the second parameter) is read after the sync. The
     # word embedding (36864 elements) fills the last unit alone; the table closes the one before.

@@ -8,10 +8,10 @@ import pytest
 
 from megatron_grpo.comm.compress import Int4Compressor, Int8Compressor
 from megatron_grpo.comm.compress_int2 import Int2Compressor
-from megatron_grpo.config import GRPOConfig, GRPOConfigError
-from megatron_grpo.controller import GRPOController
-from megatron_grpo.planner import ClusterSpec, ModelSpec, plan
-from megatron_grpo.planner_internode import internode
+from megatron_grpo.grpo.config import GRPOConfig, GRPOConfigError
+from megatron_grpo.grpo.controller.core import GRPOController
+from megatron_grpo.planner.plan import ClusterSpec, ModelSpec, plan
+from megatron_grpo.planner.internode import internode
 
 TIERS = dict(dynamic_share=0.65, stable_share=0.2, max_dynamic_share=0.7)
 MODEL = ModelSpec(num_layers=32, hidden=4096, heads=32, ffn_hidden=14336, flash_attention=True)

@@ -6,8 +6,8 @@ import random
 import pytest
 import torch
 
-from megatron_grpo.config import GRPOConfig
-from megatron_grpo.tiers import (
+from megatron_grpo.grpo.config import GRPOConfig
+from megatron_grpo.grpo.tiers import (
     TIERS,
     GVRMonitor,
     TierPlan,
@@ -290,7 +290,7 @@ def test_monitor_check_counts_unhealthy_checks_in_a_row():
 
 
 def test_tier_policies_rank_as_their_definitions_say():
-    from megatron_grpo.tiers import policy_density
+    from megatron_grpo.grpo.tiers import policy_density
 
     density = [5.0, 1.0, 3.0, 0.0, 4.0, 2.0, 6.0, 0.5, 7.0, 8.0]
     sizes = [10] * 10

@@ -2,7 +2,7 @@
 
 import time
 
-from megatron_grpo.timing import IntervalTimer
+from megatron_grpo.grpo.timing import IntervalTimer
 
 
 class FakeEvent:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Set
 
-from megatron_grpo.config import TIERS, GRPOConfig
+from megatron_grpo.grpo.config import TIERS, GRPOConfig
 
 
 class OuterSchedule:

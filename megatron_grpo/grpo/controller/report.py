@@ -1,5 +1,5 @@
 """Reporting of the GRPO controller: tier shares, unit names for the re-tier log and the per-step
-metrics record. A mixin of GRPOController (megatron_grpo.controller), which owns the attributes."""
+metrics record. A mixin of GRPOController (megatron_grpo.grpo.controller.core), which owns the attributes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Activation memory of megatron-core's GPTModel for the planner (megatron_grpo.planner).
+"""Activation memory of megatron-core's GPTModel for the planner (megatron_grpo.planner.plan).
 
 GPT-2-style layers follow Korthikanti et al. 2022, eq. 2, generalised to e-byte activations,
 f != 4h, flash attention and megatron's fp32 softmax. The Llama-style terms were measured on
@@ -127,7 +127,7 @@ def stage_activation_bytes(model, cluster, stage: int) -> int:
 
 def backward_freed_bytes(model, cluster, stage: int) -> dict:
     """What the backward of one micro-batch on ``stage`` frees, by part (the planner's
-    gradient-release timeline, megatron_grpo/planner_grads.py): "head" (last stage: the final
+    gradient-release timeline, megatron_grpo/planner/grads.py): "head" (last stage: the final
     norm, the output layer's input, the logits' fp32 softmax, the labels), one layer's parts
     (``layer_activation_parts``; with recompute its kept bytes, the stage's average, as "ln1")
     and "embedding" (first stage: the ids)."""

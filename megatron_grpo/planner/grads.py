@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_grpo.comm.analytic import ddp_bucket_numels
-from megatron_grpo.config import TIERS
+from megatron_grpo.grpo.config import TIERS
 
 RESIDUAL_BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
 

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Dict, List, Optional
 
-from megatron_grpo.metrics_log import JsonlLog
+from megatron_grpo.training.metrics_log import JsonlLog
 
 
 def peak_rss_bytes() -> int:

@@ -5,7 +5,7 @@ controller owns the tier of every tier unit (one megatron DDP bucket group), the
 the error-feedback residuals, the stable tier's schedule and the monitors; the megatron glue
 (``megatron_grpo.megatron``) asks it what to do and reports back. Everything here is decided
 identically on every rank of the job: the only inputs are the iteration number and values
-summed over all ranks (one plan for the whole model replica, megatron_grpo.replica), so every
+summed over all ranks (one plan for the whole model replica, megatron_grpo.grpo.replica), so every
 rank that holds a copy of a parameter (data-parallel replicas, tensor-parallel copies of
 replicated parameters, the tied embedding on two pipeline stages) gives it the same tier.
 Every tensor handed to a collective is created on ``device`` (NCCL serves CUDA tensors only).
@@ -44,16 +44,16 @@ from megatron_grpo.comm.powersgd import BucketLayout, PowerSGDState
 from megatron_grpo.comm.error_feedback import ErrorFeedback
 from megatron_grpo.comm.replicated import ReplicatedElements
 from megatron_grpo.comm.wire import wire_counter
-from megatron_grpo.config import GRPOConfig
-from megatron_grpo.controller_report import ControllerReport
-from megatron_grpo.controller_state import ControllerState
-from megatron_grpo.health import HealthSums, HealthWatch
-from megatron_grpo.importance import ImportanceTracker
-from megatron_grpo.outer_schedule import OuterSchedule
-from megatron_grpo.replica import ReplicaLayout
-from megatron_grpo.tiers import (GVRMonitor, TierPlan, TierPlanner, describe_moves, lone_unit_notice,
+from megatron_grpo.grpo.config import GRPOConfig
+from megatron_grpo.grpo.controller.report import ControllerReport
+from megatron_grpo.grpo.controller.state import ControllerState
+from megatron_grpo.grpo.health import HealthSums, HealthWatch
+from megatron_grpo.grpo.importance import ImportanceTracker
+from megatron_grpo.grpo.outer_schedule import OuterSchedule
+from megatron_grpo.grpo.replica import ReplicaLayout
+from megatron_grpo.grpo.tiers import (GVRMonitor, TierPlan, TierPlanner, describe_moves, lone_unit_notice,
                                  policy_density)
-from megatron_grpo.timing import IntervalTimer
+from megatron_grpo.grpo.timing import IntervalTimer
 
 
 @dataclass
@@ -109,7 +109,7 @@ class GRPOController(ControllerState, ControllerReport):
 
     ``plan_group`` is the group of every rank that must agree on the tier plan: all ranks of
     the job by default (data-parallel replicas, tensor-parallel ranks and pipeline stages all
-    hold copies of some parameter; see megatron_grpo.replica).
+    hold copies of some parameter; see megatron_grpo.grpo.replica).
     """
 
     def __init__(self, config: GRPOConfig, ddp_chunks: list, device: torch.device,
@@ -216,7 +216,7 @@ class GRPOController(ControllerState, ControllerReport):
         self._new_events: List[Dict] = []
         self.pending_events: List[Dict] = []
         self.remediations = 0
-        # Local updates between instances (megatron_grpo.outer_schedule): which tiers sync when.
+        # Local updates between instances (megatron_grpo.grpo.outer_schedule): which tiers sync when.
         self.instances = getattr(ddp_chunks[0].ddp_config, "num_distributed_optimizer_instances", 1) \
             if ddp_chunks else 1
         self.outer = OuterSchedule(config, self.instances)
@@ -529,7 +529,7 @@ class GRPOController(ControllerState, ControllerReport):
         return lambda applied, owed: self._health.add(index, applied, owed)
 
     def _finish_health(self) -> None:
-        """Figures of each compressed tier over the whole replica (megatron_grpo.health); then
+        """Figures of each compressed tier over the whole replica (megatron_grpo.grpo.health); then
         remediation when a tier's relative compression error stays above the limit: the dynamic
         units with the worst error move to core; a compressed core goes exact."""
         with self.counter.tag("grpo_control"):

@@ -33,8 +33,8 @@ from typing import Dict, Optional, Sequence
 from megatron_grpo.comm.analytic import baseline_step_bytes, ddp_bucket_numels
 from megatron_grpo.comm.compress import build_compressor
 from megatron_grpo.comm.wire_rules import _ring_allreduce  # the wire counter's own rule
-from megatron_grpo.config import default_bucket_elements
-from megatron_grpo.planner import parse_tiers, stage_param_numels
+from megatron_grpo.grpo.config import default_bucket_elements
+from megatron_grpo.planner.plan import parse_tiers, stage_param_numels
 
 
 @dataclass

@@ -16,13 +16,13 @@ from typing import Dict, List, Optional, Sequence
 
 from megatron_grpo.comm.analytic import baseline_step_bytes, ddp_bucket_numels, gpt_param_numels
 from megatron_grpo.comm.compress import build_compressor
-from megatron_grpo.config import TIERS, GRPOConfig, default_bucket_elements
+from megatron_grpo.grpo.config import TIERS, GRPOConfig, default_bucket_elements
 # The gradient, residual and placement model (issue 28) lives in its own file.
-from megatron_grpo.planner_grads import (RESIDUAL_BYTES, RESIDUALS_RESIDENT,  # noqa: F401
+from megatron_grpo.planner.grads import (RESIDUAL_BYTES, RESIDUALS_RESIDENT,  # noqa: F401
                                          backward_order, late_bytes, param_units, place,
                                          release_memory, residual_bytes, stream_window_bytes)
 # The renderings (launch/plan.py, docs/planner.md) live in their own file, re-exported here.
-from megatron_grpo.planner_format import GB, format_plan, format_table  # noqa: F401
+from megatron_grpo.planner.format import GB, format_plan, format_table  # noqa: F401
 
 
 @dataclass
@@ -68,7 +68,7 @@ class ModelSpec:
     bias_linear: bool = True
     """Biases in the linear layers (False: --disable-bias-linear, Llama-style)."""
     recompute_granularity: Optional[str] = None
-    """Activation recompute: None, "full" or "selective" (megatron_grpo/activations.py)."""
+    """Activation recompute: None, "full" or "selective" (megatron_grpo/planner/activations.py)."""
     recompute_method: Optional[str] = None
     """With full recompute: "uniform" or "block"."""
     recompute_num_layers: Optional[int] = None
@@ -381,8 +381,8 @@ class Plan:
         return memory.total <= self.cluster.gpu_memory_gb * GB
 
 
-# Activations: megatron_grpo/activations.py (re-exported: the planner's public names).
-from megatron_grpo.activations import (backward_freed_bytes, last_backward_activation_bytes,  # noqa: E402
+# Activations: megatron_grpo/planner/activations.py (re-exported: the planner's public names).
+from megatron_grpo.planner.activations import (backward_freed_bytes, last_backward_activation_bytes,  # noqa: E402
                                        layer_activation_bytes, stage_activation_bytes,
                                        stage_kept_bytes)
 

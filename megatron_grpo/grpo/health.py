@@ -8,7 +8,7 @@ Per unit, sums are kept in float64 over all elements: sum a, sum a^2, sum c, sum
 count (fp32 partial sums over bounded chunks, added up in float64: see ``HealthSums.add``).
 They are summed over every rank of the job (all data-parallel and model-parallel
 ranks, one all-reduce of a small vector laid out over all units of the model replica; see
-megatron_grpo.replica), so every rank derives the same figures:
+megatron_grpo.grpo.replica), so every rank derives the same figures:
 
 * ``gvr``: Var(a) / Var(c), the gradient variance ratio of the design notes. Kept as a report.
   It is blind to sign errors and to error that leaves the variance alone (an int4 chunk with one
@@ -129,7 +129,7 @@ def health_figures(global_sums: torch.Tensor, dynamic_units: List[int]) -> Optio
 class HealthWatch:
     """Per-tier verdicts of the monitoring steps, identical on every rank (the sums are).
 
-    ``monitors`` hold the consecutive-bad counts (megatron_grpo.tiers.GVRMonitor: the window and
+    ``monitors`` hold the consecutive-bad counts (megatron_grpo.grpo.tiers.GVRMonitor: the window and
     the share to promote), ``last`` each tier's figures at its last check, ``measured`` the
     tiers checked on the current step (reset by ``new_step``)."""
 

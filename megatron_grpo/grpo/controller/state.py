@@ -1,6 +1,6 @@
 """The GRPO controller's checkpoint state: what is stored once for the job (the replica's plan)
 and what each rank keeps (residuals, importance, accumulators), and how both are restored.
-A mixin of GRPOController (megatron_grpo.controller), which owns the attributes."""
+A mixin of GRPOController (megatron_grpo.grpo.controller.core), which owns the attributes."""
 
 from __future__ import annotations
 

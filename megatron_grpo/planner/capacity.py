@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_grpo.planner import ClusterSpec, ModelSpec, plan, stage_param_numels
+from megatron_grpo.planner.plan import ClusterSpec, ModelSpec, plan, stage_param_numels
 
 WHICH = ("baseline", "grpo")
 """Which side of the plan a search sizes: megatron's baseline, or GRPO with the offload given."""

@@ -42,7 +42,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_grpo.config import TIERS  # noqa: E402 - the one definition
+from megatron_grpo.grpo.config import TIERS  # noqa: E402 - the one definition
 
 
 @dataclass
@@ -336,7 +336,7 @@ def relative_error(applied: torch.Tensor, exact: torch.Tensor) -> float:
 
 class GVRMonitor:
     """Counts bad health checks of one compressed tier in a row and picks the dynamic buckets to
-    promote (megatron_grpo.health.HealthWatch keeps one per tier)."""
+    promote (megatron_grpo.grpo.health.HealthWatch keeps one per tier)."""
 
     def __init__(self, gvr_min: float, gvr_max: float, window: int, promote_share: float) -> None:
         if not 0.0 < float(gvr_min) < float(gvr_max):
