@@ -91,7 +91,9 @@ def ranking_verdict(importance: Dict[int, Optional[float]], random: Dict[int, Op
 def run(args, command: str) -> SuiteResult:
     grid = run_grid("ablation", args, DEFAULT_CONFIG, CONTENDERS, DEFAULT_SEEDS)
     seeds = grid.seeds
-    model = f" ({os.path.basename(grid.spec.config)})" if grid.section != "ablation" else ""
+    # A section of its own (--section) names itself: one heading per table, one anchor per link.
+    model = (f" ({os.path.basename(grid.spec.config)}, {grid.section})"
+             if grid.section != "ablation" else "")
     res = SuiteResult(grid.section, "Ablation: importance-ranked tiers vs random and inverse, "
                       f"score variants{model}", command,
                       ["contender", *[f"late loss vs baseline, seed {s}" for s in seeds], "mean",

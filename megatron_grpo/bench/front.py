@@ -114,7 +114,9 @@ def run(args, command: str) -> SuiteResult:
     points.update({c.name: (grid.mean(c.name, "steady_wire_ratio"),
                             grid.mean(c.name, QUALITY)) for c in CONTENDERS[1:] if grid.has(c.name)})
     front = pareto(points)
-    model = f" ({os.path.basename(grid.spec.config)})" if grid.section != "front" else ""
+    # A section of its own (--section) names itself: one heading per table, one anchor per link.
+    model = (f" ({os.path.basename(grid.spec.config)}, {grid.section})"
+             if grid.section != "front" else "")
     res = SuiteResult(grid.section, f"Bytes vs quality: sweeps around the defaults{model}", command,
                       ["setting", "bytes ratio after warm-up", "late loss vs baseline (mean)",
                        "late loss per seed", "final val per seed", "on the front"])

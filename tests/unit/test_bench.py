@@ -281,7 +281,7 @@ def test_contenders_subset_on_another_config_gets_its_own_section(tmp_path, monk
     text = docs.read_text()
     assert "tiny figures" in text  # the tiny model's section is left alone
     section = text.split("<!-- bench:ablation-small -->")[1].split("<!-- /bench:ablation-small -->")[0]
-    assert "score variants (small.yaml)" in section
+    assert "score variants (small.yaml, ablation-small)" in section
     rows = [line.split(" | ")[0].lstrip("| ") for line in section.splitlines() if line.startswith("| ")]
     assert rows == ["contender", "importance", "random"]
     assert "late loss, importance vs random: importance ranking beats random tiers" in section
