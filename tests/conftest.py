@@ -143,3 +143,14 @@ def tmpfs():
             subprocess.run(["umount", str(path)], check=True)
 
     return mount
+
+
+@pytest.fixture(scope="session")
+def stdlib_data(tmp_path_factory):
+    """The default corpus (CPython stdlib, real text), built once per test session for every
+    folder's tests (multiproc, reliability, multinode)."""
+    from megatron_grpo.data import build_default_dataset
+
+    prefix = str(tmp_path_factory.mktemp("data") / "stdlib")
+    build_default_dataset(prefix, verbose=False)
+    return prefix

@@ -73,6 +73,22 @@ def train_and_read(tmp_path, name: str, nproc: int, args: Sequence[str],
     return read_metrics(metrics)
 
 
+def stop_and_resume(tmp_path, nproc: int, args: Sequence[str], full: List[dict], save_at: int,
+                    extra_env: Optional[Dict[str, str]] = None):
+    """The resume-and-compare pattern: ``args`` run again, saved at iteration ``save_at``, stopped
+    one iteration later and resumed from the checkpoint in a new job (the same metrics file).
+    Asserts the resumed job logs iterations save_at+1.. with losses bit-identical to ``full``
+    (the uninterrupted run's records). Returns (resumed records, the resumed job's process)."""
+    ckpt, metrics = str(tmp_path / "ck"), str(tmp_path / "resumed.jsonl")
+    run_training(nproc, [*args, "--save", ckpt, "--save-interval", str(save_at), "--exit-after-iter",
+                         str(save_at + 1), "--metrics-file", metrics], extra_env=extra_env)
+    proc = run_training(nproc, [*args, "--load", ckpt, "--metrics-file", metrics], extra_env=extra_env)
+    resumed = read_metrics(metrics)[save_at + 1:]
+    assert [r["iteration"] for r in resumed] == [r["iteration"] for r in full[save_at:]]
+    assert losses(resumed) == losses(full)[save_at:]
+    return resumed, proc
+
+
 # GRPO at test scale, with all three tiers: the former 15/65/20 split, an exact core and the
 # frozen stable mode are pinned (the defaults since issue 9's front are core 0.15 int8, dynamic
 # 0.85, no stable tier). Most multi-rank tests check what frozen units do (no wgrad, no optimizer
@@ -186,3 +202,27 @@ def file_digests(root) -> Dict[str, str]:
             with open(path, "rb") as fh:
                 out[os.path.relpath(path, str(root))] = hashlib.sha256(fh.read()).hexdigest()
     return out
+
+
+def write_gathered(out_path: str, mine, **extra) -> None:
+    """A probe's epilogue: every rank's ``mine`` gathered to rank 0, which writes
+    ``{"ranks": [...], **extra}`` to ``out_path``; then the process group is closed."""
+    import torch.distributed as dist
+
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as fh:
+            json.dump({"ranks": gathered, **extra}, fh)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def leave() -> None:
+    """A probe's exit once its results are written. Once (CI, stop 17) a rank that had finished
+    died at interpreter teardown with SIGABRT ("terminate called without an active exception": a
+    gloo C++ thread still joinable while statics were destroyed), which is torch's teardown, not
+    the code under test (_run_rank below does the same)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,5 +1,5 @@
 """Slow link: baseline vs GRPO between two real SLURM nodes over a rate-limited link (network
-namespaces + tc), through launch/bench_slow_link.py. Needs root; skipped with the reason when
+namespaces + tc), through megatron_grpo/bench/slowlink_run.py. Needs root; skipped with the reason when
 the local cluster cannot be built."""
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from megatron_grpo.bench import plots
 from megatron_grpo.bench.runner import CONFIGS, REPO, BenchError
 from megatron_grpo.bench.suite import SuiteResult
 
-SCRIPT = os.path.join(REPO, "launch", "bench_slow_link.py")
+# Its own process (python -m megatron_grpo.bench.slowlink_run): it needs root, builds and tears
+# down the local 2-node cluster, and exits 2 where the cluster cannot be built.
+RUNNER = "megatron_grpo.bench.slowlink_run"
 DEFAULT_RATES = ["100mbit"]
 GOAL = 0.45
 
@@ -22,7 +24,7 @@ GOAL = 0.45
 def run(args, command: str) -> SuiteResult:
     out = os.path.join(args.out, "slowlink")
     rates = args.rates or DEFAULT_RATES
-    cmd = [sys.executable, SCRIPT, "--out", out, "--config",
+    cmd = [sys.executable, "-m", RUNNER, "--out", out, "--config",
            args.config or os.path.join(CONFIGS, "tiny.yaml"), "--data-path", args.data_path]
     for r in rates:
         cmd += ["--rate", r]
@@ -40,7 +42,7 @@ def run(args, command: str) -> SuiteResult:
                       "namespaces; the script's message is above)"
         return res
     if proc.returncode != 0:
-        raise BenchError(f"bench slowlink: {SCRIPT} failed with exit code {proc.returncode}")
+        raise BenchError(f"bench slowlink: {RUNNER} failed with exit code {proc.returncode}")
     with open(os.path.join(out, "summary.json")) as fh:
         rows = json.load(fh)["rows"]
     for row in rows:

@@ -1,5 +1,6 @@
-"""Fixtures of the multi-node tests: one local 2-node SLURM cluster per session, the corpus,
-and a helper that submits the project's real sbatch script in CPU/gloo mode."""
+"""Fixtures of the multi-node tests: one local 2-node SLURM cluster per session and a helper that
+submits the project's real sbatch script in CPU/gloo mode (the corpus, stdlib_data, is
+tests/conftest.py's)."""
 
 import os
 import sys
@@ -8,10 +9,9 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/: harness
-sys.path.insert(0, HERE)
 
-from cluster import (ClusterError, LocalCluster, down_on_signals, install_packages,  # noqa: E402
-                     unavailable_reason)
+from megatron_grpo.bench.slurm_cluster import (ClusterError, LocalCluster, down_on_signals,  # noqa: E402
+                                               install_packages, unavailable_reason)
 from harness import REPO  # noqa: E402
 
 SBATCH = os.path.join(REPO, "launch", "slurm", "pretrain_gpt_grpo.sbatch")
@@ -36,16 +36,6 @@ def slurm_cluster(tmp_path_factory):
         finally:
             leftovers = cluster.down()
             assert not leftovers, f"local cluster teardown left: {leftovers}"
-
-
-@pytest.fixture(scope="session")
-def corpus(tmp_path_factory):
-    """The default corpus (CPython stdlib text), as tests/multiproc's stdlib_data builds it."""
-    from megatron_grpo.data import build_default_dataset
-
-    prefix = str(tmp_path_factory.mktemp("mn_data") / "stdlib")
-    build_default_dataset(prefix, verbose=False)
-    return prefix
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ import socket
 import subprocess
 import sys
 
-from cluster import rank_logs
+from megatron_grpo.bench.slurm_cluster import rank_logs
 from harness import REPO, SMALL_MODEL, env, read_metrics
 
 
@@ -51,9 +51,9 @@ def test_plan_applies_megatron_cuda_max_connections_rule(tmp_path):
             "size (4 x 3)") in bad.stderr
 
 
-def test_run_local_trains_with_per_rank_logs(corpus, tmp_path):
+def test_run_local_trains_with_per_rank_logs(stdlib_data, tmp_path):
     logs = tmp_path / "ranks"
-    proc = _run(["bash", "launch/run_local.sh", *SMALL_MODEL, "--data-path", corpus,
+    proc = _run(["bash", "launch/run_local.sh", *SMALL_MODEL, "--data-path", stdlib_data,
                  "--train-iters", "4", "--log-interval", "2", "--metrics-file", str(tmp_path / "m.jsonl"),
                  "--data-cache-dir", str(tmp_path / "cache")],
                 PYTHON=sys.executable, NPROC_PER_NODE="2", GRPO_DEVICE="cpu", LOG_DIR=str(logs))

@@ -1,6 +1,6 @@
 """The real local SLURM cluster, interrupted: SIGTERM to the process that holds it (as
 `timeout`, a cancelled CI job or `kill` send to pytest) leaves no daemon and no network
-namespace behind (tests/multinode/cluster.down_on_signals; the fast test with a cluster double
+namespace behind (megatron_grpo.bench.slurm_cluster.down_on_signals; the fast test with a cluster double
 is tests/unit/test_down_on_signals.py). Its own cluster, beside the session's (they coexist);
 starting one takes about a second."""
 
@@ -11,15 +11,15 @@ import sys
 
 import pytest
 
-from cluster import unavailable_reason
+from megatron_grpo.bench.slurm_cluster import unavailable_reason
 
 pytestmark = pytest.mark.multinode
-HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SCRIPT = """
 import sys, time
-sys.path.insert(0, {here!r})
-from cluster import LocalCluster, down_on_signals
+sys.path.insert(0, {repo!r})
+from megatron_grpo.bench.slurm_cluster import LocalCluster, down_on_signals
 
 cluster = LocalCluster({root!r})
 with down_on_signals(cluster):
@@ -48,7 +48,7 @@ def _left(root, tag):
 def test_sigterm_takes_the_real_cluster_down(slurm_cluster_packages, tmp_path):
     root = str(tmp_path / "cluster")
     os.makedirs(root)
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT.format(here=HERE, root=root)],
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT.format(repo=REPO, root=root)],
                             stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline().split()  # the event: the cluster is up

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from cluster import rank_logs
+from megatron_grpo.bench.slurm_cluster import rank_logs
 from harness import SMALL_MODEL, losses, read_metrics
 
 pytestmark = pytest.mark.multinode
@@ -34,10 +34,10 @@ def _last_iteration(path):
         return 0
 
 
-def test_killed_rank_fails_the_job_fast_and_the_next_job_resumes(sbatch, slurm_cluster, corpus, tmp_path):
+def test_killed_rank_fails_the_job_fast_and_the_next_job_resumes(sbatch, slurm_cluster, stdlib_data, tmp_path):
     ckpt, tracker = tmp_path / "ckpt", tmp_path / "ckpt" / "latest_checkpointed_iteration.txt"
     # Many iterations: the job must still be running when a rank is killed.
-    flags = [*SMALL_MODEL, "--data-path", corpus, "--train-iters", 2000, "--eval-interval", 1000,
+    flags = [*SMALL_MODEL, "--data-path", stdlib_data, "--train-iters", 2000, "--eval-interval", 1000,
              "--save", ckpt, "--save-interval", 5]
     job, logs = sbatch(tmp_path, "killed", [*flags, "--metrics-file", tmp_path / "killed.jsonl"],
                        wait=False)
@@ -77,8 +77,8 @@ def test_killed_rank_fails_the_job_fast_and_the_next_job_resumes(sbatch, slurm_c
         assert entry["progress"] == [last + 1, last + 2, last + 3]
 
 
-def test_rendezvous_that_cannot_complete_fails_clearly(sbatch, slurm_cluster, corpus, tmp_path):
-    flags = [*SMALL_MODEL, "--data-path", corpus, "--train-iters", 4]
+def test_rendezvous_that_cannot_complete_fails_clearly(sbatch, slurm_cluster, stdlib_data, tmp_path):
+    flags = [*SMALL_MODEL, "--data-path", stdlib_data, "--train-iters", 4]
     # Nothing listens at .99 on the cluster's bridge: every node waits, then gives up.
     host = f"{slurm_cluster.subnet}.99"
     job, _ = sbatch(tmp_path, "wrong_host", flags, RDZV_HOST=host, RDZV_TIMEOUT="10", timeout=120)
@@ -97,8 +97,8 @@ def test_rendezvous_that_cannot_complete_fails_clearly(sbatch, slurm_cluster, co
             f"a rendezvous for 2 could never complete") in one.output
 
 
-def test_checkpoints_on_several_nodes_need_a_shared_filesystem(sbatch, corpus, tmp_path):
-    flags = [*SMALL_MODEL, "--data-path", corpus, "--train-iters", 4, "--save", tmp_path / "ck"]
+def test_checkpoints_on_several_nodes_need_a_shared_filesystem(sbatch, stdlib_data, tmp_path):
+    flags = [*SMALL_MODEL, "--data-path", stdlib_data, "--train-iters", 4, "--save", tmp_path / "ck"]
     job, _ = sbatch(tmp_path, "unshared", flags, SHARED_FS="0", timeout=60)
     assert job.state == "FAILED" and job.exit_code == 2
     assert (f"--save/--load ({tmp_path / 'ck'}) on 2 nodes needs a filesystem that all nodes "

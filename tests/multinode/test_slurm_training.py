@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from cluster import rank_logs
+from megatron_grpo.bench.slurm_cluster import rank_logs
 from harness import GRPO_SMALL, SMALL_MODEL, losses, read_metrics, run_training
 
 pytestmark = pytest.mark.multinode
@@ -15,10 +15,10 @@ ITERS, EXIT_AT = 20, 14  # checkpoints every 4; the first job stops after 14 (la
 
 
 @pytest.fixture(scope="module")
-def jobs(sbatch, corpus, tmp_path_factory):
+def jobs(sbatch, stdlib_data, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mn_train")
     # --log-interval 2: every rank prints a progress line every 2 iterations (per-rank logs).
-    flags = [*SMALL_MODEL, *GRPO_SMALL, "--log-interval", "2", "--data-path", corpus,
+    flags = [*SMALL_MODEL, *GRPO_SMALL, "--log-interval", "2", "--data-path", stdlib_data,
              "--train-iters", ITERS, "--eval-interval", 10, "--save", tmp / "ckpt",
              "--save-interval", 4]
     first, first_logs = sbatch(tmp, "first", [*flags, "--exit-after-iter", EXIT_AT,
@@ -89,10 +89,10 @@ def test_tier_maps_agree_on_both_nodes(jobs):
         [r["grpo_tier_map"] for r in jobs["ref"]]
 
 
-def test_dataset_index_caches_are_node_local(jobs, corpus):
+def test_dataset_index_caches_are_node_local(jobs, stdlib_data):
     local = jobs["tmp"] / "local"
     for node in ("n1", "n2"):
         cache = local / f"megatron_grpo_data_cache.{node}"
         built = list(cache.rglob("*-document_index.npy"))
         assert len(built) == 2, built  # train and valid
-    assert not os.path.exists(corpus + "_cache")  # the shared default was not used
+    assert not os.path.exists(stdlib_data + "_cache")  # the shared default was not used

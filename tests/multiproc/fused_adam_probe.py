@@ -9,7 +9,6 @@ step() call of the iteration against what the memory tier's windows allow: the r
 state plus three streamed units' (running, arriving, leaving). Rank 0 writes OUT.json.
 """
 
-import json
 import os
 import sys
 
@@ -17,10 +16,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
+from harness import leave, write_gathered  # noqa: E402  (the probes' shared epilogue)
+
 
 def main():
     import torch
-    import torch.distributed as dist
 
     from fused_adam_double import install
     from megatron_grpo.megatron import grpo_hooks, grpo_optimizers
@@ -81,17 +81,9 @@ def main():
 
     hooks.after_build, hooks.before_step, hooks.after_step = after_build, before_step, after_step
     run(cfg, hooks)
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, records)
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as fh:
-            json.dump({"ranks": gathered}, fh)
-    dist.barrier()
-    dist.destroy_process_group()
+    write_gathered(out_path, records)
 
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # as grpo_probe.py: skip torch's gloo teardown at interpreter exit
+    leave()

@@ -11,7 +11,6 @@ Rank 0 writes everything (gathered from all ranks) to OUT.json.
 """
 
 import hashlib
-import json
 import os
 import sys
 
@@ -19,6 +18,9 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "tests"))
+
+from harness import leave, write_gathered  # noqa: E402  (the probes' shared epilogue)
 
 
 def digest(tensors) -> str:
@@ -281,22 +283,10 @@ def main():
             if not any(start < hi and end > lo for start, end in bucket_ranges(b).values()):
                 padding_only += 1
     records[-1]["padding_only_shards"] = padding_only
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, records)
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as fh:
-            json.dump({"ranks": gathered, "units": [u.numel for u in probe["ctrl"].units],
-                       "names": [u.name for u in probe["ctrl"].units]}, fh)
-    dist.barrier()
-    dist.destroy_process_group()
+    write_gathered(out_path, records, units=[u.numel for u in probe["ctrl"].units],
+                   names=[u.name for u in probe["ctrl"].units])
 
 
 if __name__ == "__main__":
     main()
-    # Results are written and the process group is gone: leave now. Once (CI, stop 17) a rank
-    # that had finished died at interpreter teardown with SIGABRT ("terminate called without an
-    # active exception": a gloo C++ thread still joinable while statics were destroyed), which is
-    # torch's teardown, not the code under test (tests/harness.py _run_rank does the same).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()

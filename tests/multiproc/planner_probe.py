@@ -19,12 +19,14 @@ Measured on every rank, from the actual tensors (not from formulas):
 Rank 0 writes everything (gathered from all ranks) to OUT.json.
 """
 
-import json
 import os
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "tests"))
+
+from harness import leave, write_gathered  # noqa: E402  (the probes' shared epilogue)
 
 
 def _ptr(t) -> int:
@@ -248,18 +250,9 @@ def main():
     record = dict(rank=dist.get_rank(), state=model_state_bytes(built, ctrl, probe["outer"]), steps=probe["steps"],
                   units=[u.numel for u in ctrl.units] if ctrl is not None else [],
                   activations=saved_activation_bytes(built, cfg))
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, record)
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as fh:
-            json.dump({"ranks": gathered}, fh)
-    dist.barrier()
-    dist.destroy_process_group()
+    write_gathered(out_path, record)
 
 
 if __name__ == "__main__":
     main()
-    # Leave once results are written: see grpo_probe.py (a gloo thread's SIGABRT at teardown).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()

@@ -2,7 +2,6 @@
 JSON and plots it writes, reuse of complete runs, and a failing run named in the error."""
 
 import json
-import os
 import subprocess
 import sys
 

@@ -5,8 +5,8 @@ units are compressed (not the warm-up, not a unit pinned to core) is tests/unit/
 
 import pytest
 
-from harness import (GRPO_SMALL, SMALL_MODEL, assert_copies_agree, losses, probe_with_metrics, read_metrics,
-                     run_probe, train_and_read)
+from harness import (GRPO_SMALL, SMALL_MODEL, assert_copies_agree, probe_with_metrics, read_metrics,
+                     run_probe, stop_and_resume, train_and_read)
 
 CORE8 = ["--grpo-core-compressor", "int8"]
 
@@ -107,18 +107,11 @@ def test_broken_core_compressor_is_caught_and_core_goes_exact(stdlib_data, tmp_p
 
 
 def test_resume_with_core_residuals_is_bit_identical(stdlib_data, tmp_path):
-    from harness import run_training
-
     common = [*SMALL_MODEL, *GRPO_SMALL, *CORE8, "--data-path", stdlib_data, "--train-iters", "16",
               "--eval-interval", "16"]
     full = train_and_read(tmp_path, "full", 2, common)
-    ckpt, metrics = str(tmp_path / "ck"), str(tmp_path / "resumed.jsonl")
-    run_training(2, [*common, "--save", ckpt, "--save-interval", "10", "--exit-after-iter", "11",
-                     "--metrics-file", metrics])
-    run_training(2, [*common, "--load", ckpt, "--metrics-file", metrics])
-    resumed = read_metrics(metrics)[11:]
+    resumed, _ = stop_and_resume(tmp_path, 2, common, full, save_at=10)
     assert [r["iteration"] for r in resumed] == list(range(11, 17))
-    assert losses(resumed) == losses(full)[10:]
     assert full[-1]["wire_bytes_core"] > 0 and resumed[-1]["wire_bytes_core"] == full[-1]["wire_bytes_core"]
 
 

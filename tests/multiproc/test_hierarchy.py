@@ -11,8 +11,8 @@ and a resume is exact.
 
 import pytest
 
-from harness import (GRPO_SMALL, SMALL_MODEL, assert_copies_agree, losses, read_metrics, run_probe,
-                     run_training, train_and_read)
+from harness import (GRPO_SMALL, SMALL_MODEL, assert_copies_agree, losses, run_probe, stop_and_resume,
+                     train_and_read)
 
 NODES = {"MEGATRON_GRPO_RANKS_PER_NODE": "2"}
 HIER = ["--num-distributed-optimizer-instances", "2"]
@@ -119,15 +119,10 @@ def test_planner_predicts_the_inter_node_bytes(runs, stdlib_data):
 def test_hierarchical_grpo_resume_is_bit_identical(stdlib_data, tmp_path, runs):
     # Instances 0 = one per node: 2 here (2 ranks per emulated node), as in the full run.
     common = [*_common(stdlib_data), "--num-distributed-optimizer-instances", "0", *GRPO_SMALL, *CORE8]
-    ckpt, metrics = str(tmp_path / "ck"), str(tmp_path / "resumed.jsonl")
-    run_training(4, [*common, "--save", ckpt, "--save-interval", "10", "--exit-after-iter", "11",
-                     "--metrics-file", metrics], extra_env=NODES)
-    proc = run_training(4, [*common, "--load", ckpt, "--metrics-file", metrics], extra_env=NODES)
-    assert "distributed-optimizer instances: one per node -> 2" in proc.stdout
-    resumed = read_metrics(metrics)[11:]
-    assert [r["iteration"] for r in resumed] == list(range(11, ITERS + 1))
     full = runs["grpo"]
-    assert losses(resumed) == losses(full)[10:]
+    resumed, proc = stop_and_resume(tmp_path, 4, common, full, save_at=10, extra_env=NODES)
+    assert "distributed-optimizer instances: one per node -> 2" in proc.stdout
+    assert [r["iteration"] for r in resumed] == list(range(11, ITERS + 1))
     assert [r["wire_bytes_inter_node"] for r in resumed] == [r["wire_bytes_inter_node"] for r in full[10:]]
 
 

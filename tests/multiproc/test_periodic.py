@@ -17,7 +17,7 @@ import os
 
 import pytest
 
-from harness import REPO, SMALL_MODEL, losses, read_metrics, run_training, train_and_read
+from harness import REPO, SMALL_MODEL, stop_and_resume, train_and_read
 
 NODES = {"MEGATRON_GRPO_RANKS_PER_NODE": "2"}
 ITERS = 20
@@ -98,14 +98,8 @@ def test_bytes_between_instances_are_the_planners(run, stdlib_data):
 def test_resume_in_the_middle_of_a_period_is_bit_identical(run, stdlib_data, tmp_path):
     # Saved at 12: dynamic synced at 10, stable not since 6; the instances differ in masters,
     # Adam moments, anchors, outer momentum and delta residuals, all in the checkpoint.
-    ckpt, metrics = str(tmp_path / "ck"), str(tmp_path / "resumed.jsonl")
-    args = _args(stdlib_data)
-    run_training(4, [*args, "--save", ckpt, "--save-interval", "12", "--exit-after-iter", "13",
-                     "--metrics-file", metrics], extra_env=NODES)
-    run_training(4, [*args, "--load", ckpt, "--metrics-file", metrics], extra_env=NODES)
-    resumed = read_metrics(metrics)[13:]
+    resumed, _ = stop_and_resume(tmp_path, 4, _args(stdlib_data), run, save_at=12, extra_env=NODES)
     assert [r["iteration"] for r in resumed] == list(range(13, ITERS + 1))
-    assert losses(resumed) == losses(run)[12:]
     for key in ("grpo_tier_map", "grpo_outer_synced", "wire_bytes_outer", "wire_bytes_inter_node"):
         assert [r[key] for r in resumed] == [r[key] for r in run[12:]], key
 

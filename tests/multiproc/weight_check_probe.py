@@ -13,7 +13,6 @@ Every rank records the error the run stopped with (or None) and the sequence of 
 (op, bytes) issued under the wire counter's "weight_check" tag; rank 0 writes all of it to OUT.
 """
 
-import json
 import os
 import sys
 
@@ -21,6 +20,9 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "tests"))
+
+from harness import leave, write_gathered  # noqa: E402  (the probes' shared epilogue)
 
 
 def main():
@@ -80,14 +82,9 @@ def main():
         error = {"type": type(exc).__name__, "message": str(exc)}
     mine = {"rank": dist.get_rank(), "error": error, "calls": state["calls"],
             "perturbed": state["perturbed"]}
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as fh:
-            json.dump({"ranks": gathered}, fh)
-    dist.barrier()
-    dist.destroy_process_group()
+    write_gathered(out_path, mine)
 
 
 if __name__ == "__main__":
     main()
+    leave()

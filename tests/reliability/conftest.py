@@ -173,16 +173,6 @@ def pytest_sessionfinish(session, exitstatus):
 # -- shared runs -----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="session")
-def stdlib_data(tmp_path_factory):
-    """The default corpus (CPython stdlib text), as tests/multiproc builds it."""
-    from megatron_grpo.data import build_default_dataset
-
-    prefix = str(tmp_path_factory.mktemp("rel_data") / "stdlib")
-    build_default_dataset(prefix, verbose=False)
-    return prefix
-
-
-@pytest.fixture(scope="session")
 def reference(stdlib_data, tmp_path_factory):
     """One uninterrupted GRPO run of REF_ITERS iterations, checkpoints every REF_SAVE_INTERVAL:
     the losses every resumed run must reproduce bit for bit, and the checkpoints the damage tests

@@ -1,4 +1,4 @@
-"""tests/multinode/cluster.down_on_signals: SIGTERM or SIGINT to a process holding the local SLURM
+"""megatron_grpo.bench.slurm_cluster.down_on_signals: SIGTERM or SIGINT to a process holding the local SLURM
 cluster takes the cluster down before the process dies of that signal (issue 29: an interrupted
 suite left munged, slurmctld, both slurmd and two network namespaces running). A cluster double
 records its teardown; tests/multinode/test_slurm_cluster_sigterm.py does it with the real cluster."""
@@ -8,15 +8,14 @@ import signal
 import subprocess
 import sys
 
-import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MULTINODE = os.path.join(os.path.dirname(HERE), "multinode")
+REPO = os.path.dirname(os.path.dirname(HERE))
 
 SCRIPT = """
 import sys, time
-sys.path.insert(0, {multinode!r})
-from cluster import down_on_signals
+sys.path.insert(0, {repo!r})
+from megatron_grpo.bench.slurm_cluster import down_on_signals
 
 class Double:
     def down(self):
@@ -36,7 +35,7 @@ else:
 
 def _interrupt(tmp_path, signum, guarded=True):
     marker = tmp_path / "down.txt"
-    code = SCRIPT.format(multinode=MULTINODE, marker=str(marker), guarded=guarded)
+    code = SCRIPT.format(repo=REPO, marker=str(marker), guarded=guarded)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"  # the handlers are installed: signal now

@@ -1,6 +1,6 @@
-"""launch/gpu_check.sh + launch/gpu_check.py (the device check of the GPU path) on a CPU machine.
+"""tools/gpu_check.sh + tools/gpu_check.py (the device check of the GPU path) on a CPU machine.
 
-The CPU dry run (``bash launch/gpu_check.sh --cpu``) runs phases a-d for real on gloo with a
+The CPU dry run (``bash tools/gpu_check.sh --cpu``) runs phases a-d for real on gloo with a
 small model and phase e's analysis on recorded-shape numbers, so the check cannot rot between
 device loans. The other tests hold the assertion logic to failing: a mismatching loss, a byte
 off the planner, a wrong step counter, a phase that fails -> FAIL and exit status 1.
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT_SH = os.path.join(REPO, "launch", "gpu_check.sh")
-SCRIPT_PY = os.path.join(REPO, "launch", "gpu_check.py")
+SCRIPT_SH = os.path.join(REPO, "tools", "gpu_check.sh")
+SCRIPT_PY = os.path.join(REPO, "tools", "gpu_check.py")
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
 
 

@@ -1,7 +1,7 @@
 """Time the dynamic-tier compressors: one 128 MB bucket, or host time per bucket against dp.
 
-    python launch/bench_compress.py [--numel 33554432] [--threads 2] [--repeats 3] [--device cuda]
-    python launch/bench_compress.py --dp 8 64 512 [--bucket-numel 40000 33554432] [--threads 2]
+    python tools/bench_compress.py [--numel 33554432] [--threads 2] [--repeats 3] [--device cuda]
+    python tools/bench_compress.py --dp 8 64 512 [--bucket-numel 40000 33554432] [--threads 2]
                                     [--repeats 5] [--compressors int4 int8 topk] [--device cuda]
 
 Default mode prints, per compressor: compression ratio, payload size, relative L2 error of one

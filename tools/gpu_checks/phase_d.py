@@ -1,7 +1,7 @@
 """Phase d: two ranks on one device, the whole GRPO path at dp = 2.
 
 NCCL refuses two ranks on one device, so both ranks use device 0 with gloo, which takes CUDA
-tensors (launch/gpu_checks/gloo_cuda.py); on the CPU the same runs use gloo on the CPU. Three
+tensors (tools/gpu_checks/gloo_cuda.py); on the CPU the same runs use gloo on the CPU. Three
 runs of the small bf16 model with compressed core (int8) and dynamic (int4) tiers and a delayed
 stable tier, the weight hash checked after every step:
 

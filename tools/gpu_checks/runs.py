@@ -1,7 +1,7 @@
 """Training runs of the device check: the run record, the shared context (budget, folders, the
 corpus) and the pool that runs them side by side.
 
-Every rank is its own process, ``python launch/gpu_checks/train_entry.py <training flags>``
+Every rank is its own process, ``python tools/gpu_checks/train_entry.py <training flags>``
 with RANK / WORLD_SIZE / MASTER_* set here (no torchrun: two ranks on one device both need
 LOCAL_RANK=0), started in a session of its own so a timeout kills all it started. The runs of
 phases b, c and d are independent and small, so they share the device at once (``slots``
@@ -25,7 +25,7 @@ from megatron_grpo.platform.ports import free_port
 
 from .common import ROOT, STRICT_ENV, kill_group, run_command, tail_lines
 
-ENTRY = os.path.join(ROOT, "launch", "gpu_checks", "train_entry.py")
+ENTRY = os.path.join(ROOT, "tools", "gpu_checks", "train_entry.py")
 FAILED_RANK_GRACE_S = 20.0
 
 
@@ -38,7 +38,7 @@ class TrainRun:
     args: List[str]
     nproc: int = 1
     optimizer: str = ""
-    """'' (megatron's own pick) or a launch/gpu_checks/fused_adam.py kind."""
+    """'' (megatron's own pick) or a tools/gpu_checks/fused_adam.py kind."""
     env: Dict[str, str] = field(default_factory=dict)
     cap_s: float = 240.0
     rcs: List[Optional[int]] = field(default_factory=list)

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Device check of the GPU path (issue 27 item 9): one CUDA device, about 4 minutes on an H200, phases a-e
-# (launch/gpu_check.py says what each asserts). Logs: OUT/phase_<x>.log, OUT/summary.txt,
+# (tools/gpu_check.py says what each asserts). Logs: OUT/phase_<x>.log, OUT/summary.txt,
 # OUT/results.json (7 files; a device machine returns at most 8).
 #
-#   bash launch/gpu_check.sh                 # on the device; from anywhere (runs from the repo root)
-#   bash launch/gpu_check.sh --cpu           # the CPU dry run (tests/unit/test_gpu_check_script.py)
-#   bash launch/gpu_check.sh --phases a b    # some phases only
-#   bash launch/gpu_check.sh --list
-#   bash launch/gpu_check.sh --fetch-wheels  # fill .whl/ (needs the network; do it before a loan)
+#   bash tools/gpu_check.sh                 # on the device; from anywhere (runs from the repo root)
+#   bash tools/gpu_check.sh --cpu           # the CPU dry run (tests/unit/test_gpu_check_script.py)
+#   bash tools/gpu_check.sh --phases a b    # some phases only
+#   bash tools/gpu_check.sh --list
+#   bash tools/gpu_check.sh --fetch-wheels  # fill .whl/ (needs the network; do it before a loan)
 #
 # The device image has torch (CUDA) and transformers but no megatron-core: the check carries it
 # as wheels in .whl/ (git-ignored, about 10 MB: carry it to the device machine with the working
@@ -29,7 +29,7 @@ PY="${PYTHON:-python3}"
 
 for arg in "$@"; do
   case "$arg" in
-    --list|-h|--help) exec "$PY" launch/gpu_check.py "$@" ;;
+    --list|-h|--help) exec "$PY" tools/gpu_check.py "$@" ;;
     --fetch-wheels)
       set -e
       mkdir -p .whl
@@ -56,10 +56,10 @@ if [ -z "$LIMIT" ]; then
   LIMIT=$((LIMIT - ($(date +%s) - START)))
 fi
 [ "$LIMIT" -lt 30 ] && LIMIT=30
-timeout -k 15 "$LIMIT" "$PY" launch/gpu_check.py --out "$OUT" --started-at "$START" "$@"
+timeout -k 15 "$LIMIT" "$PY" tools/gpu_check.py --out "$OUT" --started-at "$START" "$@"
 rc=$?
 if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
-  echo "FAIL: launch/gpu_check.py was killed at the hard limit (${LIMIT} s); see $OUT/phase_*.log" \
+  echo "FAIL: tools/gpu_check.py was killed at the hard limit (${LIMIT} s); see $OUT/phase_*.log" \
     | tee -a "$OUT/summary.txt"
   rc=124
 fi

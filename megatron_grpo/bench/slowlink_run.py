@@ -1,6 +1,6 @@
 """Slow-link benchmark: baseline vs GRPO across a rate-limited link between two SLURM nodes.
 
-For each --rate, a local 2-node SLURM cluster (tests/multinode/cluster.py: network namespaces,
+For each --rate, a local 2-node SLURM cluster (megatron_grpo/bench/slurm_cluster.py: network namespaces,
 a tc token-bucket limit on each node's side of the link) runs the project's real sbatch script
 twice, in CPU/gloo mode with one rank per node (data parallel 2): the megatron baseline, then
 --grpo, with the same config, seed and iterations. It prints, over the iterations after GRPO's
@@ -19,8 +19,8 @@ baseline), GRPO flat (one instance), GRPO per-step between nodes, and GRPO with 
 the table adds the counted inter-node bytes per step.
 
 Needs root (network namespaces). Example (docs/launch.md has the figures):
-    .venv/bin/python launch/bench_slow_link.py --rate 200mbit --rate 50mbit --train-iters 80
-    .venv/bin/python launch/bench_slow_link.py --internode --rate none --rate 1gbit --rate 200mbit
+    .venv/bin/python -m megatron_grpo.bench.slowlink_run --rate 200mbit --rate 50mbit --train-iters 80
+    .venv/bin/python -m megatron_grpo.bench.slowlink_run --internode --rate none --rate 1gbit --rate 200mbit
 """
 
 from __future__ import annotations
@@ -34,11 +34,10 @@ import sys
 import time
 from typing import Dict, List, Optional
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "tests", "multinode"))
-sys.path.insert(0, REPO)
+from megatron_grpo.bench.runner import REPO
+from megatron_grpo.training.metrics_log import read_metrics
 
-from megatron_grpo.training.metrics_log import read_metrics  # noqa: E402
+# The measured path is the user's: the real sbatch script, submitted to the local cluster.
 
 SBATCH = os.path.join(REPO, "launch", "slurm", "pretrain_gpt_grpo.sbatch")
 UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}
@@ -201,7 +200,8 @@ def main(argv=None) -> int:
     rates = args.rate or ["200mbit", "50mbit"]
     for rate in rates:
         rate_bits(rate)
-    from cluster import LocalCluster, down_on_signals, install_packages, unavailable_reason
+    from megatron_grpo.bench.slurm_cluster import (LocalCluster, down_on_signals, install_packages,
+                                                   unavailable_reason)
 
     reason = unavailable_reason()
     if reason:

@@ -1,15 +1,15 @@
 """One rank of a device-check training run: launch/pretrain_gpt.py's ``main`` with what the check
-needs installed first, chosen by environment variables (launch/gpu_checks/runs.py sets them):
+needs installed first, chosen by environment variables (tools/gpu_checks/runs.py sets them):
 
 * ``GPU_CHECK_OPTIMIZER=te|apex|torch_fused|double``: the Adam megatron builds
-  (launch/gpu_checks/fused_adam.py); with ``GPU_CHECK_OPT_DUMP=PATH`` its step counters are
+  (tools/gpu_checks/fused_adam.py); with ``GPU_CHECK_OPT_DUMP=PATH`` its step counters are
   written to PATH after the run;
 * ``GPU_CHECK_COALESCE_SHIM=1``: megatron's coalesced bucket collectives issued one by one;
 * ``GPU_CHECK_GLOO_CUDA=1``: CUDA device 0 with gloo (two ranks on one device), see
-  launch/gpu_checks/gloo_cuda.py.
+  tools/gpu_checks/gloo_cuda.py.
 
     RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 \\
-        python launch/gpu_checks/train_entry.py <launch/pretrain_gpt.py flags>
+        python tools/gpu_checks/train_entry.py <launch/pretrain_gpt.py flags>
 """
 
 from __future__ import annotations

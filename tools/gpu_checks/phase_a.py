@@ -3,7 +3,7 @@
 The device image has torch (CUDA build) and transformers but no megatron-core, no
 transformer-engine and no apex. What the check needs beyond the image travels as wheels in
 .whl/ (git-ignored; filled on a machine with network access by
-``bash launch/gpu_check.sh --fetch-wheels``: megatron-core 0.16.1 for CPython 3.10-3.13, plus
+``bash tools/gpu_check.sh --fetch-wheels``: megatron-core 0.16.1 for CPython 3.10-3.13, plus
 einops and psutil, which megatron-core uses without declaring them). They are installed with
 pip, offline (``--no-index --find-links .whl``), into a folder put first on PYTHONPATH for
 every process the check starts; pip picks the wheel matching the image's Python.
@@ -72,7 +72,7 @@ def install_wheels(ex: Expect, ctx, log_lines) -> None:
         ex.info("GPU_CHECK_NO_WHEELS is set: .whl/ not installed")
         return
     if not wheels:
-        ex.info(f"no wheels in {WHEEL_DIR} (fill it with `bash launch/gpu_check.sh --fetch-wheels`); "
+        ex.info(f"no wheels in {WHEEL_DIR} (fill it with `bash tools/gpu_check.sh --fetch-wheels`); "
                 f"using what the image has")
         return
     site = os.path.join(ctx.work, "site")

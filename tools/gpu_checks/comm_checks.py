@@ -12,7 +12,7 @@ At world size 1 the payload goes to oneself, so what is checked is everything ar
 wire: the kernels, the async handles, the stream bookkeeping and that every tensor handed to
 the collective is on the group's device (the byte counter's strict mode is on, with each group
 bound to its device: a host tensor handed to NCCL fails here, not on a cluster).
-launch/gpu_check.py runs them in a worker process (``--worker collectives``) that initialises
+tools/gpu_check.py runs them in a worker process (``--worker collectives``) that initialises
 the default group on the device (NCCL) and a gloo group for the CPU side. On the CPU (dry run)
 both sides are gloo groups on the CPU.
 """

@@ -1,10 +1,10 @@
 """Phase b: tensor, stream and collective checks on the device against the CPU, and the FusedAdam
 step-count check.
 
-Three worker processes run the checks (``python launch/gpu_check.py --worker GROUP``), one group
+Three worker processes run the checks (``python tools/gpu_check.py --worker GROUP``), one group
 each, before any training run shares the device (the stream checks time sleep kernels):
 
-* ``tensors``: launch/gpu_checks/tensor_checks.py (compressors, error feedback, importance, CPU
+* ``tensors``: tools/gpu_checks/tensor_checks.py (compressors, error feedback, importance, CPU
   mode as a no-op where CUDA exists);
 * ``streams``: stream_checks.py (CUDA-event timer, side-stream overlap, release-while-pending);
 * ``collectives``: comm_checks.py (NCCL at world size 1: compressed reduce-scatter, parameter
@@ -12,7 +12,7 @@ each, before any training run shares the device (the stream checks time sleep ke
 
 The FusedAdam check trains the phase's small model with the memory tier off and on, with the
 Adam megatron builds on a machine with transformer-engine (or apex): the real one when it
-imports, else ``torch.optim.AdamW(fused=True)`` and FusedAdamDouble (launch/gpu_checks/fused_adam.py).
+imports, else ``torch.optim.AdamW(fused=True)`` and FusedAdamDouble (tools/gpu_checks/fused_adam.py).
 With the windowed optimizer step every param group's step counter must equal the number of
 applied iterations, and both runs must give the same losses.
 """
@@ -69,7 +69,7 @@ def run_workers(ctx) -> Dict[str, Dict]:
         path = os.path.join(ctx.work, f"worker_{group}.json")
         if os.path.exists(path):
             os.remove(path)
-        cmd = run_command([sys.executable, os.path.join(ROOT, "launch", "gpu_check.py"), "--worker", group,
+        cmd = run_command([sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), "--worker", group,
                            "--device", device, "--result", path],
                           os.path.join(ctx.work, f"worker_{group}.log"), ctx.limit(WORKER_CAP_S[group]),
                           ctx.env())

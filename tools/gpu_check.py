@@ -1,12 +1,12 @@
 """Device check of the GPU path (issue 27, item 9): one CUDA device, about 4 minutes on an H200, five phases.
 
-    bash launch/gpu_check.sh                     # the usual entry (OUT=... for the logs)
-    bash launch/gpu_check.sh --cpu               # the CPU dry run (in the default test suite)
-    bash launch/gpu_check.sh --fetch-wheels      # fill .whl/ (network; before a device loan)
-    python launch/gpu_check.py [--cpu] [--phases a b ...] [--out DIR] [--budget-s 480]
-    python launch/gpu_check.py --list
+    bash tools/gpu_check.sh                     # the usual entry (OUT=... for the logs)
+    bash tools/gpu_check.sh --cpu               # the CPU dry run (in the default test suite)
+    bash tools/gpu_check.sh --fetch-wheels      # fill .whl/ (network; before a device loan)
+    python tools/gpu_check.py [--cpu] [--phases a b ...] [--out DIR] [--budget-s 480]
+    python tools/gpu_check.py --list
 
-Phases (launch/gpu_checks/phase_<x>.py say what each asserts):
+Phases (tools/gpu_checks/phase_<x>.py say what each asserts):
   a  wheels carried in .whl/ installed, versions printed
   b  tensor checks on the device vs the CPU (compressors, error feedback, importance, streams),
      GRPO's collectives over NCCL at world size 1 vs gloo/CPU with async handles, a
@@ -201,7 +201,7 @@ def main(argv=None) -> int:
     print(header, flush=True)
     if not ok and not args.cpu:
         message = (f"gpu_check: no CUDA device: {where}. Nothing was checked; run this on a machine "
-                   f"with a CUDA GPU, or `bash launch/gpu_check.sh --cpu` for the CPU dry run "
+                   f"with a CUDA GPU, or `bash tools/gpu_check.sh --cpu` for the CPU dry run "
                    f"(exit status {EXIT_NOTHING_CHECKED}).")
         print(message, file=sys.stderr, flush=True)
         with open(os.path.join(args.out, "summary.txt"), "w") as fh:

@@ -5,7 +5,7 @@ DeepSpeed is not a dependency of this project; install it beside, not into, the 
     apt-get install -y libaio-dev
     .venv/bin/pip install --no-deps --target /tmp/dsaio/pkgs deepspeed hjson ninja py-cpuinfo msgpack
     PATH=/tmp/dsaio/pkgs/bin:$PATH PYTHONPATH=/tmp/dsaio/pkgs DS_BUILD_OPS=0 \
-        .venv/bin/python launch/bench_aio.py /tmp/dsaio/aio locked:8M:8:2 locked:1M:8:1 plain:8M:32:2
+        .venv/bin/python tools/bench_aio.py /tmp/dsaio/aio locked:8M:8:2 locked:1M:8:1 plain:8M:32:2
 
 512 MiB fp32 (torch.randn), 4 chunks of 128 MiB written with async_pwrite at 4 offsets of one
 file (like the project's single slot file), wait(), then fsync; drop the file's page cache
@@ -32,7 +32,7 @@ import torch
 try:
     from deepspeed.ops.op_builder import AsyncIOBuilder
 except ImportError as exc:  # not a dependency: say how to get it
-    sys.exit(f"launch/bench_aio.py needs DeepSpeed ({exc}); see this file's docstring for the "
+    sys.exit(f"tools/bench_aio.py needs DeepSpeed ({exc}); see this file's docstring for the "
              f"install beside the project's environment")
 
 TOTAL_MIB, CHUNK_MIB = 512, 128

@@ -6,7 +6,7 @@ its size on the main stream: with no ``record_stream`` / event guarding the free
 allocator hands its block to one of them and the queued read sees their bytes).
 
 The timing checks need CUDA and are skipped on the CPU; the stress test runs there too (it then
-checks the logic and the API, not the allocator). launch/gpu_check.py runs them in a worker
+checks the logic and the API, not the allocator). tools/gpu_check.py runs them in a worker
 process of their own (``--worker streams``) before any training run shares the device.
 """
 

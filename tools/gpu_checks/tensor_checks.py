@@ -3,7 +3,7 @@ feedback and the importance tracker on ``device`` against the same code on the C
 bit where the arithmetic is the same (payload bytes, decoded values, residuals), and CPU mode
 as a no-op where CUDA exists.
 
-launch/gpu_check.py runs them in a worker process of their own (``--worker tensors``), so a
+tools/gpu_check.py runs them in a worker process of their own (``--worker tensors``), so a
 crash costs that worker alone. With ``device="cpu"`` (the CPU dry run) the same logic runs
 against itself: a trivially equal comparison that still catches a check which crashes or no
 longer matches the package's API.

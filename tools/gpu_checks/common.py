@@ -1,4 +1,4 @@
-"""What launch/gpu_check.py and its phase modules share: constants (budget, exit statuses),
+"""What tools/gpu_check.py and its phase modules share: constants (budget, exit statuses),
 the assertion collector ``Expect``, the ``Result`` of a phase, the ``Command`` runner with its
 timeout, the text table and the phase log.
 

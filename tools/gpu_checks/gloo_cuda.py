@@ -2,7 +2,7 @@
 
 NCCL refuses two ranks on one device, so these runs use gloo, whose collectives take CUDA
 tensors (it stages them through pinned host memory). Both ranks use device 0 (LOCAL_RANK=0).
-Two things the training entry does not do on its own, installed by launch/gpu_checks/train_entry.py
+Two things the training entry does not do on its own, installed by tools/gpu_checks/train_entry.py
 in the rank processes only (the package is untouched):
 
 * ``install_platform()``: ``megatron_grpo.training.loop`` picks NCCL whenever CUDA is usable; here
@@ -51,7 +51,7 @@ def _issue(group, op):
         opts.reduceOp = op.redop
         return group.allreduce([op.tensor], opts)
     raise RuntimeError(f"gpu_check coalescing shim: collective {name!r} inside "
-                       f"_coalescing_manager is not handled; add it to launch/gpu_checks/gloo_cuda.py")
+                       f"_coalescing_manager is not handled; add it to tools/gpu_checks/gloo_cuda.py")
 
 
 @contextlib.contextmanager
@@ -80,7 +80,7 @@ def install_coalescing_shim() -> None:
 
     if not hasattr(buffers, "_coalescing_manager"):
         raise RuntimeError("gpu_check: megatron.core.distributed.param_and_grad_buffer has no "
-                           "_coalescing_manager any more; update launch/gpu_checks/gloo_cuda.py")
+                           "_coalescing_manager any more; update tools/gpu_checks/gloo_cuda.py")
     buffers._coalescing_manager = one_by_one
 
 
@@ -91,7 +91,7 @@ def check_platform_hook() -> None:
 
     if not callable(getattr(loop, "select_platform", None)):
         raise RuntimeError("gpu_check: megatron_grpo.training.loop.select_platform is gone; "
-                           "update launch/gpu_checks/gloo_cuda.install_platform")
+                           "update tools/gpu_checks/gloo_cuda.install_platform")
 
 
 def install_platform() -> None:
