@@ -70,6 +70,6 @@ def slurm_cluster_packages():
     reason = unavailable_reason()
     if reason:
         pytest.skip(f"local SLURM cluster unavailable: {reason}")
-    from cluster import install_packages
+    from megatron_grpo.bench.slurm_cluster import install_packages
 
     install_packages()

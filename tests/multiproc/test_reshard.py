@@ -54,23 +54,28 @@ def test_resume_at_the_same_size_is_still_exact_and_says_nothing(saved):
     assert "resumed at world size" not in proc.stdout and "grpo_retier" not in resumed[0]
 
 
-# The refusal is also checked by test_tensor_parallel_2_to_1_with_no_load_optim, --init-from in
-# another layout by tests/multiproc/test_convert.py: minutes on 2 cores, with -m slow.
-@pytest.mark.slow
-def test_another_tensor_parallel_layout_is_refused_and_init_from_starts_it(saved, stdlib_data):
+def _tp2(saved):
+    return saved["common"][:-4] + ["--train-iters", "12", "--eval-interval", "12",
+                                   "--tensor-model-parallel-size", "2"]
+
+
+def test_another_tensor_parallel_layout_is_refused(saved, stdlib_data):
     # The optimizer state is saved per data-parallel shard: TP 1 -> 2 is refused before
-    # megatron's shape error, naming both layouts and the way out (--init-from).
-    common = saved["common"][:-4] + ["--train-iters", "12", "--eval-interval", "12"]
-    proc = run_training(4, [*common, "--tensor-model-parallel-size", "2", "--load", saved["ckpt"]],
-                        check=False)
+    # megatron's shape error, naming both layouts and the way out (--init-from). Fails before
+    # step 1, so it is cheap enough for the default suite.
+    proc = run_training(4, [*_tp2(saved), "--load", saved["ckpt"]], check=False)
     assert proc.returncode != 0
     text = proc.stdout + proc.stderr
     assert (f"--load {saved['ckpt']} (rank 0): written at tensor x pipeline parallel 1 x 1, this run "
             f"is 2 x 1. The distributed optimizer's state is saved per data-parallel shard") in text
     assert f"--init-from {saved['ckpt']} (fresh optimizer state)" in text
+
+
+# --init-from in another layout is also run by tests/multiproc/test_convert.py: with -m slow.
+@pytest.mark.slow
+def test_init_from_starts_another_tensor_parallel_layout(saved, stdlib_data):
     metrics = str(saved["tmp"] / "tp2.jsonl")
-    run_training(4, [*common, "--tensor-model-parallel-size", "2", "--init-from", saved["ckpt"],
-                     "--metrics-file", metrics])
+    run_training(4, [*_tp2(saved), "--init-from", saved["ckpt"], "--metrics-file", metrics])
     assert len(read_metrics(metrics)) == 12
 
 

@@ -291,13 +291,6 @@ def test_runnable_block(block: Block, docs_workspace):
                                   f"--- stderr\n{proc.stderr[-5000:]}")
 
 
-@pytest.mark.parametrize("block, command, reason",
-                         [pytest.param(b, c, r, id=f"{b.id}:{c[:40]}") for b in BLOCKS for c, r in b.excluded])
-def test_excluded_command(block, command, reason):
-    assert reason
-    pytest.skip(f"not run: {command!r}: {reason}")
-
-
 # ------------------------------------------------------------------------------ excerpts
 def _statement_patterns(code: str) -> List[str]:
     """Each top-level statement of the excerpt, normalised by ast, as a regex (``...`` = any)."""
