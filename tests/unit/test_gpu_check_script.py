@@ -283,3 +283,14 @@ def test_bit_comparisons_take_any_nan_as_one_and_nothing_else():
         assert not same(cpu_nan, number_for_nan)
         assert not same(torch.tensor([0.0]), torch.tensor([-0.0]))
     assert torch.isnan(cpu_nan[0]) and cpu_nan.view(torch.int32)[0] != 0x7fc00000  # input untouched
+
+
+def test_every_file_the_check_starts_exists():
+    """The dry run that starts them is behind -m slow (47 s); a moved file must fail fast here
+    (tools/ moved out of launch/ once and the training runs found no launch/pretrain_gpt.py)."""
+    from gpu_checks import runs, specs, train_entry
+
+    paths = [runs.ENTRY, os.path.join(train_entry.LAUNCH, "pretrain_gpt.py"), SCRIPT_PY, SCRIPT_SH,
+             os.path.join(common.ROOT, "launch", "plan.py"), os.path.join(common.ROOT, "launch", "configs", "tiny.yaml")]
+    assert [p for p in paths if not os.path.isfile(p)] == []
+    assert specs.plan_cli() is not None

@@ -19,9 +19,10 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-LAUNCH = os.path.dirname(HERE)
-ROOT = os.path.dirname(LAUNCH)
-for path in (ROOT, LAUNCH):
+TOOLS = os.path.dirname(HERE)
+ROOT = os.path.dirname(TOOLS)
+LAUNCH = os.path.join(ROOT, "launch")
+for path in (ROOT, TOOLS):
     if path not in sys.path:
         sys.path.insert(0, path)
 
