@@ -38,7 +38,6 @@ from megatron_grpo.bench.runner import REPO
 from megatron_grpo.training.metrics_log import read_metrics
 
 # The measured path is the user's: the real sbatch script, submitted to the local cluster.
-
 SBATCH = os.path.join(REPO, "launch", "slurm", "pretrain_gpt_grpo.sbatch")
 UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}
 
