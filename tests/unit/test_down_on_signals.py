@@ -64,3 +64,38 @@ def test_sigint_takes_the_cluster_down_then_raises_keyboard_interrupt(tmp_path):
 def test_without_it_sigterm_leaves_the_cluster_up(tmp_path):
     rc, marker = _interrupt(tmp_path, signal.SIGTERM, guarded=False)
     assert rc == -signal.SIGTERM and marker == ""
+
+
+def test_down_removes_the_daemons_when_the_controller_does_not_answer(monkeypatch, tmp_path):
+    """scancel / squeue timing out (a controller that hangs, a loaded machine) must not stop
+    down() from terminating the daemons: the teardown that runs on SIGTERM depends on it."""
+    import subprocess
+
+    from megatron_grpo.bench import slurm_cluster
+
+    class Proc:
+        def __init__(self):
+            self.terminated = False
+
+        def poll(self):
+            return 0 if self.terminated else None
+
+        def terminate(self):
+            self.terminated = True
+
+        def wait(self, timeout=None):
+            return 0
+
+    def hanging(cmd, timeout=30, check=True, env=None):
+        if cmd[0] in ("scancel", "squeue"):
+            raise subprocess.TimeoutExpired(cmd, timeout)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(slurm_cluster, "_run", hanging)
+    cluster = slurm_cluster.LocalCluster(str(tmp_path))
+    cluster.tag = "mg-test-double"  # no link of this name exists: the link wait ends at once
+    daemons = {"n1": Proc(), "n2": Proc(), "slurmctld": Proc(), "munged": Proc()}
+    cluster.procs = dict(daemons)
+    problems = cluster.down()
+    assert [name for name, p in daemons.items() if not p.terminated] == []
+    assert problems == ["jobs not cancelled (TimeoutExpired); their processes are killed"]
