@@ -26,6 +26,7 @@ as megatron-core's own unit tests, sees megatron's behaviour.
 """
 
 import contextlib
+import inspect
 import sys
 
 import torch
@@ -60,6 +61,15 @@ class _GradBufferOnMeta(TorchFunctionMode):
             if frame.f_code is _ParamAndGradBuffer.__init__.__code__:
                 return getattr(frame.f_locals.get("self"), "param_data", None) is not None
             frame = frame.f_back
+        return False
+
+
+def _takes_weight(module: torch.nn.Module) -> bool:
+    """Can ``module`` be called with a weight it does not own (megatron's
+    ``ColumnParallelLinear.forward(input_, weight=None, ...)``, 0.16.1 through 0.19)?"""
+    try:
+        return "weight" in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):  # a builtin or C forward: it reads only its own parameters
         return False
 
 
@@ -106,7 +116,13 @@ class GRPODistributedDataParallel(DistributedDataParallel):
     def _grpo_pre_backward_hooks(self, storage: GradStorage) -> None:
         """The fused wgrad GEMM accumulates into ``main_grad`` inside the module's backward,
         before the gradient-accumulation hook runs: allocate when the gradient of the module's
-        output arrives, which is before that backward starts."""
+        output arrives, which is before that backward starts.
+
+        A module may also write the ``main_grad`` of a weight it does not own: with tied
+        embeddings megatron builds the output layer (and multi-token-prediction heads) with
+        ``skip_weight_param_allocation`` and passes the word embedding's weight in as
+        ``weight=``. That layer's backward is the first of the pass, long before the
+        embedding's own, so the parameters a module is *called with* count as its own here."""
         def on_output_grad(params):
             def hook(grad):
                 for p in params:
@@ -115,18 +131,24 @@ class GRPODistributedDataParallel(DistributedDataParallel):
                 return grad
             return hook
 
-        def forward_hook(module, inputs, output):
-            params = module.__dict__.get("_grpo_direct_params")
+        def forward_hook(module, args, kwargs, output):
+            params = list(module.__dict__.get("_grpo_direct_params", ()))
+            for a in (*args, *kwargs.values()):
+                if isinstance(a, torch.nn.Parameter) and a in storage.of_param and a not in params:
+                    params.append(a)
+            if not params:
+                return None
             outputs = output if isinstance(output, (tuple, list)) else (output,)
             for t in outputs:
                 if torch.is_tensor(t) and t.requires_grad:
                     t.register_hook(on_output_grad(params))
+            return None
 
         for m in self.module.modules():
             direct = [p for p in m.parameters(recurse=False) if p in storage.of_param]
-            if direct:
+            if direct or _takes_weight(m):
                 m.__dict__["_grpo_direct_params"] = direct
-                m.register_forward_hook(forward_hook)
+                m.register_forward_hook(forward_hook, with_kwargs=True)
 
     @property
     def bucket_size(self):

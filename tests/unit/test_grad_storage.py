@@ -170,3 +170,57 @@ def test_fused_wgrad_finds_its_storage_allocated():
     fake.module.lin(x).sum().backward()
     assert g.state == FULL
     assert torch.allclose(grad.view(3, 4), torch.ones(5, 3).t() @ x)
+
+
+def test_fused_wgrad_through_a_shared_weight_finds_its_storage_allocated():
+    """Tied embeddings (megatron's default, PP 1): the output layer owns no parameter and is
+    handed the word embedding's weight as ``weight=``. Its fused wgrad GEMM is the first op of
+    backward and writes the embedding's ``main_grad``; the embedding's own gradient is added
+    later by DDP's hook. Both must land in allocated storage, and neither may wipe the other."""
+    from megatron_grpo.megatron.ddp import GRPODistributedDataParallel
+
+    emb = torch.nn.Embedding(7, 4)
+    grad = torch.zeros(28)
+    emb.weight.main_grad = grad  # flat, as the fused double writes it
+    bucket = SimpleNamespace(grad_data=grad, params_list=[emb.weight])
+    g = BucketGrads(bucket, 0, 1, [])
+    bucket.grpo_grads = g
+    storage = GradStorage(window=1)
+    storage.add(g)
+    storage.reset([bucket])
+    assert grad.untyped_storage().nbytes() == 0
+
+    class OutputLayer(torch.nn.Module):
+        """megatron's ColumnParallelLinear with skip_weight_param_allocation: no parameter."""
+
+        def forward(self, x, weight=None):
+            return _FusedWgrad.apply(x, weight)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = emb
+            self.output_layer = OutputLayer()
+
+        def forward(self, tokens):
+            return self.output_layer(self.embedding(tokens), weight=self.embedding.weight)
+
+    def ddp_hook(p):  # GRPODistributedDataParallel's allocate_then_hook + megatron's own
+        storage.ensure_param(p)
+        p.main_grad.add_(p.grad.view(-1))
+        p.grad = None
+    emb.weight.register_post_accumulate_grad_hook(ddp_hook)
+
+    fake = SimpleNamespace(module=Model())
+    assert list(fake.module.output_layer.parameters()) == []
+    tokens = torch.tensor([1, 2, 3, 1])
+    GRPODistributedDataParallel._grpo_pre_backward_hooks(fake, storage)
+    upstream = torch.randn(4, 7)
+    (fake.module(tokens) * upstream).sum().backward()
+    assert g.state == FULL
+
+    # The exact sum of both contributions, computed without any of the machinery.
+    w = emb.weight.detach().clone().requires_grad_(True)
+    x = w[tokens]
+    ((x @ w.t()) * upstream).sum().backward()
+    assert torch.allclose(grad.view(7, 4), w.grad, atol=1e-6)
