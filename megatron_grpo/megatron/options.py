@@ -21,6 +21,13 @@ what to do. Nothing is half supported: a run that starts does not crash or go wr
   ``reuse_grad_buf_for_mxfp8_param_ag``): megatron's optimizer quantises them in
   ``quantize_param_shard``, which GRPO's parameter copy and compressed gather replace. Refused.
   (fp8 compute with bf16 parameters is unaffected and allowed.)
+* fp16 and loss scaling (``TransformerConfig.fp16`` / ``OptimizerConfig.fp16``,
+  ``OptimizerConfig.loss_scale``; Megatron-LM ``--fp16``, ``--loss-scale``): megatron's grad
+  scaler unscales every parameter's ``grad`` in ``prepare_grads``, but GRPO leaves ``grad=None``
+  on held stable units and on shards the memory tier holds away (an AttributeError there), never
+  unscales gradients it brings back, and its error-feedback residuals and delayed accumulators
+  would carry gradients scaled by a factor that changes from step to step. Refused, naming bf16
+  (``--bf16``, no loss scale needed) as the way.
 * the precision-aware optimizer (``use_precision_aware_optimizer``): the optimizer holds the
   main parameters and reads ``decoupled_grad``, which GRPO's per-tier gradient skipping does not
   clear and its parameter staging does not read. Refused.
@@ -31,6 +38,15 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 import torch
+
+
+def _loss_scaling_refusal(owner: str, options, rank: int) -> ValueError:
+    return ValueError(
+        f"rank {rank}: GRPO does not support fp16 training with loss scaling ({', '.join(options)}"
+        f" on {owner}; Megatron-LM --fp16 / --loss-scale): megatron's grad scaler unscales "
+        f"param.grad, which GRPO's held and offloaded shards do not carry, and error-feedback "
+        f"residuals would keep gradients scaled by a changing loss scale. Train in bf16 "
+        f"(--bf16, no loss scale) instead")
 
 
 def sum_scaling_factor(gradient_scaling_factor: float, average_in_collective: bool,
@@ -69,6 +85,8 @@ def check_ddp_options(ddp_config, tf_config, grad_dtypes: Iterable[torch.dtype],
             f"--fp8-param-gather): megatron quantises them in its optimizer's parameter copy "
             f"(quantize_param_shard), which GRPO's per-tier copy and compressed gather replace. "
             f"Keep bf16 parameters (fp8 compute without --fp8-param-gather is fine)")
+    if getattr(tf_config, "fp16", False):
+        raise _loss_scaling_refusal("TransformerConfig", ["fp16"], rank)
     if controller_dp_size is not None and ddp_dp_size is not None and controller_dp_size != ddp_dp_size:
         cp = getattr(tf_config, "context_parallel_size", 1)
         raise ValueError(
@@ -80,6 +98,9 @@ def check_ddp_options(ddp_config, tf_config, grad_dtypes: Iterable[torch.dtype],
 
 def check_optimizer_options(opt_config, rank: int) -> None:
     """Raise ValueError for an OptimizerConfig GRPO's distributed optimizer cannot carry."""
+    scaled = [name for name in ("fp16", "loss_scale") if getattr(opt_config, name, None)]
+    if scaled:
+        raise _loss_scaling_refusal("OptimizerConfig", scaled, rank)
     if getattr(opt_config, "use_precision_aware_optimizer", False):
         raise ValueError(
             f"rank {rank}: GRPO does not support the precision-aware optimizer "

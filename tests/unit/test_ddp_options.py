@@ -96,3 +96,37 @@ def test_precision_aware_optimizer_and_mxfp8_reuse_are_refused_before_megatron_b
 ])
 def test_sum_scaling_factor(factor, average, dp, expect):
     assert sum_scaling_factor(factor, average, dp) == expect
+
+
+def test_fp16_models_are_refused_at_install():
+    # megatron's grad scaler would unscale param.grad, which GRPO leaves None on held and
+    # offloaded shards (AttributeError), and residuals would carry a changing loss scale.
+    chunk, ctrl, group = _ddp(tf={"fp16": True})
+    with pytest.raises(ValueError, match=r"rank 0: GRPO does not support fp16 training with loss "
+                                         r"scaling \(fp16 on TransformerConfig.*--bf16"):
+        install([chunk], ctrl)
+    assert not isinstance(group, GRPOBucketGroup)
+    chunk, ctrl, group = _ddp(tf={"fp16": False, "bf16": True})
+    install([chunk], ctrl)
+    assert isinstance(group, GRPOBucketGroup)
+
+
+@pytest.mark.parametrize("options, named", [
+    ({"fp16": True}, "fp16"),
+    ({"loss_scale": 1024.0}, "loss_scale"),             # a constant scaler, even with bf16
+    ({"fp16": True, "loss_scale": 8.0}, "fp16, loss_scale"),
+])
+def test_fp16_and_loss_scale_are_refused_before_megatron_builds(options, named):
+    config = SimpleNamespace(use_distributed_optimizer=True, bf16=False, **options)
+    with pytest.raises(ValueError, match=rf"rank 0: GRPO does not support fp16 training with loss "
+                                         rf"scaling \({named} on OptimizerConfig.*--bf16"):
+        get_grpo_optimizer(config, [])
+
+
+def test_bf16_without_a_loss_scale_reaches_megatron():
+    # The refusal is not a blanket one: bf16 with loss_scale None passes the option checks
+    # and fails later only for the empty model this test gives.
+    config = SimpleNamespace(use_distributed_optimizer=True, bf16=True, fp16=False, loss_scale=None)
+    with pytest.raises(Exception) as err:
+        get_grpo_optimizer(config, [])
+    assert "GRPO does not support" not in str(err.value)
