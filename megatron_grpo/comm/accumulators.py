@@ -46,13 +46,21 @@ class DelayedAccumulators:
         self._tensors, self._store = store, store
 
     # ------------------------------------------------------------------ one step
-    def hold(self, key: Hashable, grad: torch.Tensor) -> None:
-        """A delayed stable bucket's scaled gradient of this step, added at ``commit``."""
-        self._held[key] = grad
+    def hold(self, key: Hashable, grad: torch.Tensor,
+             local: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> None:
+        """A delayed stable bucket's scaled gradient of this step, added at ``commit``.
+
+        ``local``: (indices, values) of elements whose value *now* is the one to sum, because
+        ``grad`` is read at commit and something rewrites those elements in place before then:
+        megatron's ``finalize_model_grads`` all-reduces sequence-parallel layernorm grads over
+        tensor-parallel ranks, and the tied embedding over pipeline stages, after the
+        data-parallel sync. Summing the all-reduced values would make the update step's sync,
+        which finalize all-reduces again, count them once per model-parallel copy."""
+        self._held[key] = (grad, local)
 
     def held(self) -> List[torch.Tensor]:
         """This step's held gradients (the optimizer's non-finite check covers them)."""
-        return list(self._held.values())
+        return [grad for grad, _ in self._held.values()]
 
     def take(self, key: Hashable) -> Optional[Tuple[torch.Tensor, int]]:
         """(sum of scaled gradients, steps summed) of ``key`` for its update step, resident
@@ -77,21 +85,24 @@ class DelayedAccumulators:
         for key in self._used:
             self._empty(key)
         self._used.clear()
-        for key, grad in self._held.items():
+        for key, (grad, local) in self._held.items():
             count = self.counts.get(key, 0)
             if self._store is None:
                 if count:
-                    self._tensors[key].add_(grad)
+                    acc = self._tensors[key]
+                    _add_held(acc, grad, local)
                 else:
-                    self._tensors[key] = grad.detach().clone()
+                    acc = self._tensors[key] = grad.detach().clone()
+                    _put_local(acc, local)
             else:
                 if count:
                     acc = self._store.get(key)
                     acc = self._store.buffer(key, acc)  # the same tensor, now to be written anew
-                    acc.add_(grad)
+                    _add_held(acc, grad, local)
                 else:  # a new one, or the emptied one's registered bytes overwritten
                     acc = self._store.buffer(key, grad)
                     acc.copy_(grad)
+                    _put_local(acc, local)
                 self._store[key] = acc  # written out in the background
             self.counts[key] = count + 1
         self._held.clear()
@@ -168,3 +179,22 @@ class DelayedAccumulators:
             self.counts[key] = int(count)
             # A copy: a store frees the storage it registers once written out.
             self._tensors[key] = tensor.to(device, copy=True)
+
+
+def _put_local(acc: torch.Tensor, local) -> None:
+    """The held-time values of the ``local`` elements replace what ``acc`` has there."""
+    if local is not None:
+        index, values = local
+        acc.index_copy_(0, index, values)
+
+
+def _add_held(acc: torch.Tensor, grad: torch.Tensor, local) -> None:
+    """acc += grad, with the held-time values for the ``local`` elements (each element gets
+    one addition, so the sums are bit for bit those of adding a clean local gradient)."""
+    if local is None:
+        acc.add_(grad)
+        return
+    index, values = local
+    before = acc.index_select(0, index)
+    acc.add_(grad)
+    acc.index_copy_(0, index, before.add_(values))

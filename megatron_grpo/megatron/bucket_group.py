@@ -37,6 +37,8 @@ from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketG
 from megatron_grpo.comm.dynamic import CompressedReduceScatter, gather_param_delta, prepare_param_delta
 from megatron_grpo.comm.hierarchical import InterInstanceAllReduce
 from megatron_grpo.comm.powersgd import PowerSGDReduceScatter
+from megatron_grpo.comm.replicated import bucket_ranges
+from megatron_grpo.megatron.grad_storage import reads_after_sync
 from megatron_grpo.megatron.options import check_ddp_options, sum_scaling_factor
 
 
@@ -268,7 +270,26 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
             return
         self._scale()
         for i, b in enumerate(self.buckets):
-            ctrl.hold((self.grpo_unit, i), b.grad_data)
+            # megatron's finalize_model_grads rewrites some elements in place before the step
+            # ends (_late_index): their local values are kept now, the rest read at commit.
+            late = self._late_index(i, b)
+            local = (late, b.grad_data.index_select(0, late)) if late is not None else None
+            ctrl.hold((self.grpo_unit, i), b.grad_data, local)
+
+    def _late_index(self, i: int, bucket) -> Optional[torch.Tensor]:
+        """Indices in ``bucket`` of the parameters megatron's ``finalize_model_grads`` all-reduces
+        in place after the data-parallel sync (``grpo_late_params``, set by install: sequence-
+        parallel and qk layernorms over TP, the tied and position embeddings over PP); None
+        without any. Taken from the ``main_grad`` views while the bucket is full (a hold)."""
+        late = self.__dict__.get("grpo_late_params")
+        if not late:
+            return None
+        cache = self.__dict__.setdefault("_grpo_late_index", {})
+        if i not in cache:
+            pieces = [torch.arange(start, end, dtype=torch.int64)
+                      for p, (start, end) in bucket_ranges(bucket).items() if p in late]
+            cache[i] = torch.cat(pieces).to(bucket.grad_data.device) if pieces else None
+        return cache[i]
 
     def _merge_stable_accumulator(self) -> None:
         """Update step in delayed mode: sync the mean gradient of the steps since the last one."""
@@ -458,9 +479,31 @@ def install(ddp_chunks: list, controller) -> None:
                                  f"--num-distributed-optimizer-instances {instances}: use int4 or int8")
     storage_of = {id(g): getattr(chunk, "__dict__", {}).get("grpo_grad_storage")
                   for chunk in ddp_chunks for g in getattr(chunk, "bucket_groups", [])}
+    late_of = _late_params(ddp_chunks)
     for unit in controller.units:
         group = unit.group
         group.__class__ = GRPOBucketGroup
         group.grpo = controller
         group.grpo_unit = unit.index
         group.grpo_storage = storage_of.get(id(group))
+        group.grpo_late_params = late_of.get(id(group), set())
+
+
+def _late_params(ddp_chunks: list) -> dict:
+    """id(bucket group) -> the set of its parameters megatron's ``finalize_model_grads`` reads
+    and rewrites after the data-parallel sync (grad_storage.reads_after_sync)."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return {}
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    out = {}
+    for chunk in ddp_chunks:
+        module = getattr(chunk, "module", None)
+        if module is None:
+            continue
+        names = {p: n for n, p in module.named_parameters()}
+        for group in getattr(chunk, "bucket_groups", []):
+            out[id(group)] = {p for b in group.buckets for p in b.params_list
+                              if reads_after_sync(p, chunk.config, tp, pp, names.get(p, ""))}
+    return out

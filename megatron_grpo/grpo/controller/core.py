@@ -428,9 +428,10 @@ class GRPOController(ControllerState, ControllerReport):
         """(sum, steps summed) of a delayed stable bucket at its update; release it after use."""
         return self.accum.take(key)
 
-    def hold(self, key: tuple, grad: torch.Tensor) -> None:
-        """A delayed stable bucket's scaled gradient, added to its accumulator at end_step."""
-        self.accum.hold(key, grad)
+    def hold(self, key: tuple, grad: torch.Tensor, local=None) -> None:
+        """A delayed stable bucket's scaled gradient, added to its accumulator at end_step;
+        ``local``: (indices, values now) of elements rewritten before then (DelayedAccumulators.hold)."""
+        self.accum.hold(key, grad, local)
 
     def held_gradients(self) -> List[torch.Tensor]:
         """Local gradients held this step (the optimizer's non-finite check covers them)."""
