@@ -6,24 +6,34 @@ with one job's checkpoints, or a mix, and both jobs exit 0. Rank 0 therefore hol
 ``D/.megatron_grpo_save.lock`` from the start of the run (before --load reads D and before any
 save) to its end, whatever the end (clean, SIGTERM save, error, launcher gone).
 
-The lock is a small JSON file naming its owner: pid, host, the kernel's boot id and the
-process start time (``/proc/<pid>/stat`` field 22, clock ticks since boot), so a pid that was
-reused by another process, or a rebooted host, is not mistaken for the owner. SLURM jobs see D
-on a shared filesystem (NFS, Lustre, GPFS), where flock is not reliable across nodes and a
-process on another node cannot be looked up, hence the rules:
+The lock is a small JSON file naming its owner: pid, host, the kernel's boot id, the PID
+namespace (``/proc/self/ns/pid``, e.g. ``pid:[4026531836]``) and the process start time
+(``/proc/<pid>/stat`` field 22, clock ticks since boot), so a pid that was reused by another
+process is not mistaken for the owner. SLURM jobs see D on a shared filesystem (NFS, Lustre,
+GPFS), where flock is not reliable across nodes and a process on another node cannot be looked
+up, hence the rules:
 
-* the owner is on this host: the lock is held while that process lives (pid alive, same start
-  time, same boot); a dead owner's lock is taken over with a WARNING;
-* the owner is on another host: the lock is held while its owner keeps it fresh. Rank 0
-  refreshes the lock file's mtime every ``HEARTBEAT_S`` seconds (a thread, so a long save
-  interval or a slow step does not age it); a lock not refreshed for ``STALE_AFTER_S`` seconds
-  (its node died or lost the filesystem) is taken over with a WARNING. The age is measured
-  against the filesystem's own clock (the mtime of a file written just now), not this node's;
-* the owner on another host was a SLURM job (not this one): squeue says whether it still runs;
-  one that has ended is taken over at once, one that runs is refused. Where squeue cannot be
-  asked, the heartbeat rule above decides;
+* the owner shares this process's pid space (same host name, same boot id, same PID namespace):
+  the lock is held while that process lives (pid alive, same start time); a dead owner's lock is
+  taken over with a WARNING. The host name alone is not enough: containers that share it (docker
+  or podman --network=host) have their own PID namespace, where a live owner's pid looks dead;
+  a differing boot id is a reboot or another machine of the same name. A lock that does not
+  record a namespace (written by an older version) or a namespace this process cannot read
+  counts as not shared;
+* otherwise (another host, or a pid space not shared): the lock is held while its owner keeps it
+  fresh. Rank 0 refreshes the lock file's mtime every ``HEARTBEAT_S`` seconds (a thread, so a
+  long save interval or a slow step does not age it); a lock not refreshed for ``STALE_AFTER_S``
+  seconds (its node died or lost the filesystem) is taken over with a WARNING. The age is
+  measured against the filesystem's own clock (the mtime of a file written just now), not this
+  node's;
+* before that, an owner that was a SLURM job (not this one) is looked up with squeue: one it
+  lists as ended is taken over at once, one it lists otherwise (running, pending, suspended) is
+  refused. One it does not list counts as ended only if squeue listed it to this process before;
+  else it may just be invisible from here (a job of another cluster on the same filesystem,
+  another user's under PrivateData=jobs) and the heartbeat rule decides, as it does where squeue
+  cannot be asked;
 * a lock that cannot be read (not ours: a partial write is impossible, see below) follows the
-  other-host rule on its mtime;
+  heartbeat rule on its mtime;
 * a requeued SLURM job (same SLURM_JOB_ID, higher SLURM_RESTART_COUNT) takes over its earlier
   run's lock at once, wherever that ran: SLURM ends a job before running it again, and the
   requeue idiom (--save D --load D) must not wait for the stale time.
@@ -91,6 +101,9 @@ class Owner:
     """Unique per acquisition: 'still ours' compares it."""
     restart: int = 0
     """SLURM_RESTART_COUNT: a requeued job keeps its id and counts its runs."""
+    pid_ns: str = ""
+    """/proc/self/ns/pid's link, e.g. 'pid:[4026531836]'; '' if unreadable or in a lock written
+    by an older version (then the pid is not looked up: the heartbeat rule decides)."""
 
     def describe(self) -> str:
         job = f", SLURM job {self.job}" if self.job else ""
@@ -105,17 +118,30 @@ def boot_id() -> str:
         return ""
 
 
+def pid_namespace() -> str:
+    """This process's PID namespace, e.g. 'pid:[4026531836]' ('' where it cannot be read)."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
 def this_process() -> Owner:
     state = process_state(os.getpid())
     return Owner(pid=os.getpid(), host=socket.gethostname(), boot_id=boot_id(),
                  start_ticks=state[1] if state else None,
                  started=time.strftime("%Y-%m-%d %H:%M:%S %Z"), job=os.environ.get("SLURM_JOB_ID", ""),
-                 token=uuid.uuid4().hex, restart=_restart_count())
+                 token=uuid.uuid4().hex, restart=_restart_count(), pid_ns=pid_namespace())
 
 
 def _restart_count() -> int:
     text = os.environ.get("SLURM_RESTART_COUNT", "0")
     return int(text) if text.isdigit() else 0
+
+
+_SEEN_LISTED: set = set()
+"""SLURM job ids squeue listed to this process: one it lists no more afterwards has ended (one
+never listed may only be invisible from here)."""
 
 
 def slurm_job_state(job: str) -> Optional[str]:
@@ -131,18 +157,31 @@ def slurm_job_state(job: str) -> Optional[str]:
     return out.stdout.strip().split("\n")[0].strip()
 
 
+def pid_space_shared(owner: Owner) -> Tuple[bool, str]:
+    """(whether ``owner``'s pid means the same process here, why not). Only then may /proc judge
+    it: a container sharing the host name but not the PID namespace sees no such pid (or another
+    process under it) while the owner runs."""
+    if owner.host != socket.gethostname():
+        return False, ""
+    mine = boot_id()
+    if not owner.boot_id or not mine:
+        return False, "boot id unknown"
+    if owner.boot_id != mine:
+        return False, (f"boot id {owner.boot_id}, not this host's {mine} (rebooted since, or another "
+                       f"machine of this name)")
+    ns = pid_namespace()
+    if not owner.pid_ns:
+        return False, "PID namespace not recorded (a lock written by an older version)"
+    if not ns:
+        return False, "PID namespace unknown here (/proc/self/ns/pid cannot be read)"
+    if owner.pid_ns != ns:
+        return False, f"in PID namespace {owner.pid_ns}, not this process's {ns} (another container)"
+    return True, ""
+
+
 def owner_alive(owner: Owner) -> Tuple[bool, str]:
-    """(whether ``owner``, a process of this host, still runs; why not). A zombie is dead."""
-    if owner.boot_id and boot_id() and owner.boot_id != boot_id():
-        return False, "the host was rebooted since"
-    if not os.path.isdir("/proc"):  # no start times to compare: the pid alone
-        try:
-            os.kill(owner.pid, 0)
-            return True, ""
-        except ProcessLookupError:
-            return False, f"no process {owner.pid}"
-        except PermissionError:
-            return True, ""
+    """(whether ``owner``, a process of this pid space (``pid_space_shared``), still runs; why
+    not). A zombie is dead."""
     state = process_state(owner.pid)
     if state is None or state[0] in "ZX":
         return False, f"process {owner.pid} has exited"
@@ -166,7 +205,7 @@ def _read(path: str) -> Tuple[bool, Optional[Owner]]:
     except (ValueError, TypeError):
         return True, None
     typed = all(isinstance(v, int) for v in (owner.pid, owner.restart)) and \
-        (owner.start_ticks is None or isinstance(owner.start_ticks, int))
+        (owner.start_ticks is None or isinstance(owner.start_ticks, int)) and isinstance(owner.pid_ns, str)
     return True, owner if typed else None
 
 
@@ -234,14 +273,29 @@ class SaveLock:
             # SLURM ends every process of a job before it runs the job again (requeue, preemption).
             return True, (f"an earlier run of this SLURM job {job} (run {owner.restart}; this is run "
                           f"{_restart_count()}, requeued), which SLURM ended before this run")
-        if owner is not None and owner.host == host:
+        shared, unshared = pid_space_shared(owner) if owner is not None else (False, "")
+        if shared:
             alive, why = owner_alive(owner)
             return (False, "its owner is running on this host") if alive else (True, why)
         whose = "unreadable lock" if owner is None else f"owner on host {owner.host}"
+        if unshared:  # same host name, yet its pid cannot be looked up from this process
+            whose += f", {unshared}"
         state = slurm_job_state(owner.job) if owner is not None and owner.job and owner.job != job else None
+        if state:
+            _SEEN_LISTED.add(owner.job)
+        elif state == "" and owner.job not in _SEEN_LISTED:
+            # Never listed to this process: ended, or invisible from here (another cluster's job
+            # on the same filesystem, another user's under PrivateData=jobs). Taking over a live
+            # job's lock stops it at its next save, so wait for the heartbeat rule.
+            state = None
+            whose += (f", SLURM job {owner.job} not listed by squeue (ended, or not visible from here: "
+                      f"another cluster's or another user's job)")
         if state is not None:  # SLURM knows whether that job still runs: no need to wait
-            if state in ("", *SLURM_ENDED):
-                return True, f"{whose}: SLURM job {owner.job} has ended (squeue: {state or 'not listed'})"
+            if state == "":
+                return True, (f"{whose}: SLURM job {owner.job} has ended (squeue: not listed, listed "
+                              f"earlier by this process)")
+            if state in SLURM_ENDED:
+                return True, f"{whose}: SLURM job {owner.job} has ended (squeue: {state})"
             return False, f"{whose}: SLURM job {owner.job} is {state} (squeue)"
         if age_s > self.stale_after_s:
             return True, (f"{whose}: not refreshed for {age_s:.0f} s (stale after {self.stale_after_s:.0f} s; "
@@ -252,7 +306,7 @@ class SaveLock:
 
     def _refusal(self, owner: Optional[Owner], why: str) -> str:
         who = owner.describe() if owner else "an owner this lock file does not name (unreadable)"
-        if owner is not None and owner.host == socket.gethostname():
+        if owner is not None and pid_space_shared(owner)[0]:
             check = f"check with `ps -p {owner.pid}`"
         elif owner is not None:
             check = f"check on {owner.host}" + (f" or with `squeue -j {owner.job}`" if owner.job else "")

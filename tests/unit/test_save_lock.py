@@ -12,8 +12,12 @@ from dataclasses import asdict, replace
 
 import pytest
 
+from megatron_grpo.training import save_lock
 from megatron_grpo.training.save_lock import (LOCK_NAME, STALE_AFTER_S, Owner, SaveLock, SaveLockError,
                                               process_state, this_process)
+
+OTHER_NS = "pid:[4026532999]"
+"""A PID namespace that is not this process's (a container's)."""
 
 
 def _owner_of(pid: int, host: str = None) -> Owner:
@@ -22,14 +26,31 @@ def _owner_of(pid: int, host: str = None) -> Owner:
                    start_ticks=state[1] if state else None, job="4242")
 
 
-def _write(root, owner: Owner, age_s: float = 0.0):
+def _write(root, owner: Owner, age_s: float = 0.0, drop=(), **fields):
+    """The lock file ``owner`` would write, with ``fields`` set and the keys ``drop`` left out."""
     path = os.path.join(str(root), LOCK_NAME)
+    data = {k: v for k, v in dict(asdict(owner), **fields).items() if k not in drop}
     with open(path, "w") as fh:
-        json.dump(asdict(owner), fh)
+        json.dump(data, fh)
     if age_s:
-        now = os.stat(path).st_mtime
-        os.utime(path, (now - age_s, now - age_s))
+        _age(path, age_s)
     return path
+
+
+def _age(path, age_s: float):
+    now = os.stat(path).st_mtime
+    os.utime(path, (now - age_s, now - age_s))
+
+
+def _heartbeat_refusal(root, path, owner: Owner, whose: str, age_s: int) -> str:
+    """The refusal of a fresh lock under the heartbeat rule (the owner cannot be looked up)."""
+    host = socket.gethostname()
+    return (f"--save {root} is in use by another job: {path} is held by {owner.describe()} ({whose}: "
+            f"refreshed {age_s} s ago; its owner cannot be looked up from {host}, and the lock counts as "
+            f"stale only after {STALE_AFTER_S:.0f} s without a refresh). Two jobs saving into one directory "
+            f"replace each other's checkpoints. Wait for that job to end, or point --save at another "
+            f"directory; if that job is gone (check on {owner.host} or with `squeue -j {owner.job}`), "
+            f"remove {path} and start again")
 
 
 def _token(path):
@@ -52,6 +73,7 @@ def squeue(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    monkeypatch.setattr(save_lock, "_SEEN_LISTED", set(), raising=False)  # what squeue listed before
     return bin_dir
 
 
@@ -122,13 +144,89 @@ def test_reused_pid_is_not_the_owner(tmp_path):
         lock.release()
 
 
-def test_rebooted_host_is_not_the_owner(tmp_path):
-    _write(tmp_path, replace(_owner_of(os.getpid()), boot_id="another-boot"))
+def test_another_boot_id_under_this_host_name_follows_the_heartbeat_rule(tmp_path):
+    # A reboot, or another machine of this name: the pid cannot be looked up (before: taken over
+    # at once as "rebooted", a live job's lock included). Fresh: refused; stale: taken over.
+    owner = replace(_owner_of(os.getpid()), boot_id="another-boot")
+    path = _write(tmp_path, owner, age_s=120)
+    host, boot = socket.gethostname(), save_lock.boot_id()
+    whose = (f"owner on host {host}, boot id another-boot, not this host's {boot} (rebooted since, or "
+             f"another machine of this name)")
+    with pytest.raises(SaveLockError) as err:
+        SaveLock(str(tmp_path)).acquire()
+    assert str(err.value) == _heartbeat_refusal(tmp_path, path, owner, whose, 120)
+    assert _token(path) == owner.token
+    _age(path, STALE_AFTER_S)
     lock = SaveLock(str(tmp_path))
     try:
-        assert "the host was rebooted since" in lock.acquire()
+        assert lock.acquire().startswith(f"WARNING: --save {tmp_path}: took over {path}, left by "
+                                         f"{owner.describe()}: {whose}: not refreshed for ")
+        assert _token(path) == lock.me.token
     finally:
         lock.release()
+
+
+def test_owner_in_another_pid_namespace_is_not_judged_by_its_pid(tmp_path, sleeper):
+    # A container sharing the host name (docker --network=host): its owner's pid means nothing
+    # here (no such process, as with this dead pid), so a live owner would look dead. Before:
+    # taken over at once. Now: refused while fresh, taken over once stale.
+    owner = _owner_of(sleeper.pid)
+    sleeper.kill()
+    sleeper.wait()
+    path = _write(tmp_path, owner, age_s=120, pid_ns=OTHER_NS)
+    mine = os.readlink("/proc/self/ns/pid")
+    whose = (f"owner on host {socket.gethostname()}, in PID namespace {OTHER_NS}, not this process's {mine} "
+             f"(another container)")
+    with pytest.raises(SaveLockError) as err:
+        SaveLock(str(tmp_path)).acquire()
+    assert str(err.value) == _heartbeat_refusal(tmp_path, path, owner, whose, 120)
+    assert _token(path) == owner.token
+    _age(path, STALE_AFTER_S)
+    lock = SaveLock(str(tmp_path))
+    try:
+        assert lock.acquire().startswith(f"WARNING: --save {tmp_path}: took over {path}, left by "
+                                         f"{owner.describe()}: {whose}: not refreshed for ")
+        held = json.load(open(path))
+        assert held["token"] == lock.me.token and held["pid_ns"] == mine  # the new lock records it
+    finally:
+        lock.release()
+
+
+def test_lock_of_an_older_version_without_pid_namespace_follows_the_heartbeat_rule(tmp_path, sleeper):
+    # Written before the namespace was recorded: read (its owner named), but where its pid lives
+    # is unknown, so a dead-looking pid is not taken over while the lock is fresh.
+    owner = _owner_of(sleeper.pid)
+    sleeper.kill()
+    sleeper.wait()
+    path = _write(tmp_path, owner, age_s=120, drop=("pid_ns",))
+    whose = (f"owner on host {socket.gethostname()}, PID namespace not recorded (a lock written by an "
+             f"older version)")
+    with pytest.raises(SaveLockError) as err:
+        SaveLock(str(tmp_path)).acquire()
+    assert str(err.value) == _heartbeat_refusal(tmp_path, path, owner, whose, 120)
+    assert _token(path) == owner.token
+    _age(path, STALE_AFTER_S)
+    lock = SaveLock(str(tmp_path))
+    try:
+        assert lock.acquire().startswith(f"WARNING: --save {tmp_path}: took over {path}, left by "
+                                         f"{owner.describe()}: {whose}: not refreshed for ")
+    finally:
+        lock.release()
+
+
+def test_unreadable_own_pid_namespace_follows_the_heartbeat_rule(tmp_path, sleeper, monkeypatch):
+    # This process cannot tell whether it shares the owner's pid space: the pid is not trusted.
+    owner = _owner_of(sleeper.pid)
+    sleeper.kill()
+    sleeper.wait()
+    path = _write(tmp_path, owner, age_s=120)  # as this process writes it: its namespace recorded
+    monkeypatch.setattr(save_lock, "pid_namespace", lambda: "", raising=False)
+    whose = (f"owner on host {socket.gethostname()}, PID namespace unknown here (/proc/self/ns/pid cannot "
+             f"be read)")
+    with pytest.raises(SaveLockError) as err:
+        SaveLock(str(tmp_path)).acquire()
+    assert str(err.value) == _heartbeat_refusal(tmp_path, path, owner, whose, 120)
+    assert _token(path) == owner.token
 
 
 def test_other_host_fresh_is_refused(tmp_path):
@@ -247,9 +345,7 @@ def test_a_requeued_slurm_job_takes_over_its_earlier_run(tmp_path, monkeypatch):
 @pytest.mark.parametrize("out,err,rc,verdict", [
     ("RUNNING\\n", "", 0, "is RUNNING (squeue)"),
     ("SUSPENDED\\n", "", 0, "is SUSPENDED (squeue)"),
-    ("", "", 0, "has ended (squeue: not listed)"),
     ("TIMEOUT\\n", "", 0, "has ended (squeue: TIMEOUT)"),
-    ("", "slurm_load_jobs error: Invalid job id specified", 1, "has ended (squeue: not listed)"),
 ])
 def test_another_hosts_slurm_job_is_looked_up_with_squeue(tmp_path, squeue, out, err, rc, verdict):
     # Refreshed just now: without squeue the lock would be refused for STALE_AFTER_S.
@@ -270,3 +366,56 @@ def test_another_hosts_slurm_job_is_looked_up_with_squeue(tmp_path, squeue, out,
         assert f"(owner on host node-b17: SLURM job 4242 {verdict})" in str(err_info.value)
         assert _token(path) == owner.token
     assert open(squeue / "squeue.calls").read() == "--noheader --jobs 4242 --format %T\n"
+
+
+@pytest.mark.parametrize("out,err,rc", [
+    ("", "", 0),
+    ("", "slurm_load_jobs error: Invalid job id specified", 1),
+])
+def test_a_slurm_job_squeue_never_listed_follows_the_heartbeat_rule(tmp_path, squeue, out, err, rc):
+    # Not listed: ended, or a job squeue cannot show (another cluster's on this filesystem,
+    # another user's under PrivateData=jobs). Before: taken over at once as ended.
+    owner = _owner_of(os.getpid(), host="node-b17")
+    path = _write(tmp_path, owner, age_s=120)
+    _fake_squeue(squeue, out, err, rc)
+    whose = ("owner on host node-b17, SLURM job 4242 not listed by squeue (ended, or not visible from here: "
+             "another cluster's or another user's job)")
+    with pytest.raises(SaveLockError) as err_info:
+        SaveLock(str(tmp_path)).acquire()
+    assert str(err_info.value) == _heartbeat_refusal(tmp_path, path, owner, whose, 120)
+    assert _token(path) == owner.token
+    _age(path, STALE_AFTER_S)
+    lock = SaveLock(str(tmp_path))
+    try:
+        assert lock.acquire().startswith(f"WARNING: --save {tmp_path}: took over {path}, left by "
+                                         f"{owner.describe()}: {whose}: not refreshed for ")
+        assert _token(path) == lock.me.token
+    finally:
+        lock.release()
+
+
+def test_a_slurm_job_squeue_listed_before_and_lists_no_more_has_ended(tmp_path, squeue):
+    # This process saw the job listed (RUNNING: refused); squeue lists it no more: it ended, and
+    # its fresh lock is taken over at once. Another job id squeue never listed is not.
+    owner = _owner_of(os.getpid(), host="node-b17")
+    path = _write(tmp_path, owner)
+    _fake_squeue(squeue, "RUNNING\\n")
+    with pytest.raises(SaveLockError, match=r"SLURM job 4242 is RUNNING \(squeue\)"):
+        SaveLock(str(tmp_path)).acquire()
+    _fake_squeue(squeue, "")
+    lock = SaveLock(str(tmp_path))
+    try:
+        assert lock.acquire() == (f"WARNING: --save {tmp_path}: took over {path}, left by {owner.describe()}: "
+                                  f"owner on host node-b17: SLURM job 4242 has ended (squeue: not listed, "
+                                  f"listed earlier by this process). That job can no longer save here.")
+        assert _token(path) == lock.me.token
+    finally:
+        lock.release()
+    other = replace(owner, job="4243")
+    path = _write(tmp_path, other, age_s=120)
+    with pytest.raises(SaveLockError, match="SLURM job 4243 not listed by squeue"):
+        SaveLock(str(tmp_path)).acquire()
+    assert _token(path) == other.token
+    assert open(squeue / "squeue.calls").read().split("\n") == [
+        "--noheader --jobs 4242 --format %T", "--noheader --jobs 4242 --format %T",
+        "--noheader --jobs 4243 --format %T", ""]
