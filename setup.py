@@ -1,6 +1,6 @@
 """megatron-grpo packaging.
 
-CPU set-up (developers, CI):   pip install torch==2.13.0 && pip install -e .[test]
+CPU set-up (developers, CI):   launch/setup_env.sh (torch==2.13.0, megatron-core==0.16.1 pinned)
 GPU cluster:                   pip install -e .[gpu]   (into an environment with a CUDA torch)
 
 torch is NOT pinned here on purpose: on a GPU cluster it comes with the site's CUDA build, and a
@@ -20,7 +20,10 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_grpo", "megatron_grpo.*"]),
     install_requires=[
-        "megatron-core==0.16.1",
+        # A range, so pip keeps a supported megatron-core a user already has (0.17-0.19 need
+        # Python >= 3.12) instead of downgrading it; megatron_grpo/megatron/compat.py names
+        # what differs between them, and its version gate stops outside the range.
+        "megatron-core>=0.16.1,<0.20",
         "matplotlib",  # benchmark plots (python -m megatron_grpo.bench)
         "numpy",
         # megatron-core's partial distributed optimizer (--num-distributed-optimizer-instances)

@@ -65,11 +65,14 @@ except Exception as exc:
 mc = version("megatron-core")
 if mc is None or iu.find_spec("megatron.core") is None:
     print(f"missing megatron-core: not installed for {sys.executable}; {fix}")
-elif mc != "0.16.1":
-    print(f"missing megatron-core 0.16.1: found {mc}; megatron_grpo overrides private classes of "
-          f"0.16.1 exactly; install megatron-core==0.16.1")
 else:
-    print(f"ok megatron-core {mc}")
+    # The glue's own version gate, read by path (importing megatron_grpo.megatron would
+    # import megatron-core, which costs seconds here).
+    spec = iu.spec_from_file_location("grpo_compat", os.path.join(root, "megatron_grpo", "megatron", "compat.py"))
+    compat = iu.module_from_spec(spec)
+    spec.loader.exec_module(compat)
+    problem = compat.version_problem(compat.parse_version(mc))
+    print(f"missing megatron-core in the supported range: {problem}" if problem else f"ok megatron-core {mc}")
 sys.path.insert(0, root)
 for mod, hint in (("megatron_grpo", f"the checkout {root} is incomplete"), ("yaml", fix),
                   ("numpy", fix), ("psutil", "dist_checkpointing needs it: pip install psutil")):

@@ -18,6 +18,8 @@ if ! "$VENV/bin/python" -c 'import torch, sys; sys.exit(torch.__version__.split(
 fi
 if ! "$VENV/bin/python" -c 'import megatron_grpo, megatron.core, pytest, transformers, einops' 2>/dev/null; then
   echo "[setup] installing megatron-grpo with megatron-core==0.16.1 and test extras"
-  pip_q -e "$ROOT[test]"
+  # setup.py allows megatron-core >=0.16.1,<0.20 (users keep theirs); the CPU set-up pins
+  # the version the default suite and CI run on, so a fresh machine gets the same one.
+  pip_q -e "$ROOT[test]" "megatron-core==0.16.1"
 fi
 echo "[setup] ready: $VENV ($("$VENV/bin/python" -c 'import torch, megatron.core as m; print("torch", torch.__version__, "megatron-core", m.__version__)'))"

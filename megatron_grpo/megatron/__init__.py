@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import torch
 
-from megatron_grpo.hooks import RunHooks
-from megatron_grpo.megatron.bucket_group import GRPOBucketGroup, install
-from megatron_grpo.megatron.ddp import GRPODistributedDataParallel
-from megatron_grpo.megatron.optimizer import (GRPODistributedOptimizer, get_grpo_optimizer,
+from megatron_grpo.megatron.compat import check_version
+
+check_version()  # before any glue binds to megatron's classes: a clear stop outside 0.16.1-0.19.x
+
+from megatron_grpo.hooks import RunHooks  # noqa: E402  (after the version gate, on purpose)
+from megatron_grpo.megatron.bucket_group import GRPOBucketGroup, install  # noqa: E402
+from megatron_grpo.megatron.ddp import GRPODistributedDataParallel  # noqa: E402
+from megatron_grpo.megatron.optimizer import (GRPODistributedOptimizer, get_grpo_optimizer,  # noqa: E402
                                               grpo_optimizers, load_optimizer_state, optimizer_state)
-from megatron_grpo.megatron.resident import resident_by_kind
-from megatron_grpo.platform.layout import parallel_layout
+from megatron_grpo.megatron.resident import resident_by_kind  # noqa: E402
+from megatron_grpo.platform.layout import parallel_layout  # noqa: E402
 
 
 def grpo_data_parallel_group():
@@ -123,7 +127,10 @@ def grpo_hooks(cfg):
 
     def before_save():
         if state["placement"] is not None:
-            state["placement"].resident_all()  # saved from device, as without offload
+            # Nothing comes back to the device: the optimizer's state dict reads away state from
+            # the store into host memory (GRPODistributedOptimizer._get_main_param_and_optimizer
+            # _states). Bringing it all back made every save the run's peak.
+            state["placement"].prepare_save()
 
     def finish():
         if state["placement"] is not None:

@@ -38,6 +38,7 @@ from megatron_grpo.comm.dynamic import CompressedReduceScatter, gather_param_del
 from megatron_grpo.comm.hierarchical import InterInstanceAllReduce
 from megatron_grpo.comm.powersgd import PowerSGDReduceScatter
 from megatron_grpo.comm.replicated import bucket_ranges
+from megatron_grpo.megatron import compat
 from megatron_grpo.megatron.grad_storage import reads_after_sync
 from megatron_grpo.megatron.options import check_ddp_options, sum_scaling_factor
 
@@ -332,6 +333,12 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
         if self.grpo is None:
             return super().finish_grad_sync(force_all_reduce)
         self.param_gather_dispatched = False
+        # Once per iteration, as megatron's own from 0.18 (compat.FINISH_FLAG): a successor
+        # group may have finished this one already (reduce_scatter_with_fp32_accumulation
+        # drains its predecessor), and the end-of-step loop then calls it again.
+        if self.__dict__.get(compat.FINISH_FLAG):
+            return
+        self.__dict__[compat.FINISH_FLAG] = True
         if self.__dict__.pop("_grpo_completed", False):
             return  # finished in backward to bound the units in flight (_in_flight)
         if not self.grpo.unit_active(self.grpo_unit) and self.grad_reduce_handle is None:
@@ -348,6 +355,7 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
         self.__dict__.pop("_grpo_completed", None)  # a step that ended by an exception
         self.__dict__.pop("_grpo_first_started", None)
         super().reset()
+        self.__dict__[compat.FINISH_FLAG] = False  # megatron 0.16/0.17 do not know the flag
 
     # -- gradient release (megatron/grad_storage.py) -------------------------------------------------
     def _in_flight(self, force_all_reduce: bool) -> None:
@@ -403,7 +411,7 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
             if self._hierarchical and getattr(self, "communication_stream", None) is not None:
                 # megatron's hierarchical sync ran on its communication stream (GPU; a no-op
                 # stand-in on CPU): its finish_grad_sync waits for that stream, not a handle.
-                torch.cuda.default_stream().wait_stream(self.communication_stream)
+                compat.grad_sync_wait_stream().wait_stream(self.communication_stream)
         self.grpo.join_side_stream()
         self.grad_reduce_handle = None
         self._release_grads()

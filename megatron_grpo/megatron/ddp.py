@@ -36,6 +36,7 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
 
 from megatron_grpo.grpo.config import default_bucket_elements
+from megatron_grpo.megatron import compat
 from megatron_grpo.megatron.grad_storage import GradStorage, cut_buffer
 
 
@@ -92,6 +93,12 @@ class GRPODistributedDataParallel(DistributedDataParallel):
         self.__dict__["_grpo_requested_bucket_size"] = requested
         self.__dict__["grpo_grad_storage"] = None
         release = requested is not None and grpo_config.release_grads and ddp_config.use_distributed_optimizer
+        if requested is not None and kwargs.get(compat.LAYOUT_ARGUMENT) is not None:
+            # megatron >= 0.18: a layout precomputed from ddp_config.bucket_size (Megatron-LM's
+            # get_model) would bypass the bucket size kept here (one bucket without overlap or
+            # on later pipeline stages). Without it megatron computes the layout from
+            # self.bucket_size, which is GRPO's; its distributed optimizer reads DDP's buffers.
+            kwargs[compat.LAYOUT_ARGUMENT] = None
         with _GradBufferOnMeta() if release else contextlib.nullcontext():
             super().__init__(config, ddp_config, module, *args, **kwargs)
         if release:

@@ -46,8 +46,9 @@ EMPTY, FULL, SHARD = "empty", "full", "shard"
 
 
 def reads_after_sync(param, config, tp_size: int, pp_size: int, name: str = "") -> bool:
-    """Does megatron's ``finalize_model_grads`` (0.16.1) read ``param.main_grad`` after the
-    data-parallel sync? Erring towards yes only costs the parameter's own gradient bytes."""
+    """Does megatron's ``finalize_model_grads`` (0.16.1 through 0.19) read ``param.main_grad``
+    after the data-parallel sync? Erring towards yes only costs the parameter's own gradient
+    bytes."""
     if tp_size > 1:
         if getattr(param, "average_gradients_across_tp_domain", False):
             return True
@@ -58,6 +59,8 @@ def reads_after_sync(param, config, tp_size: int, pp_size: int, name: str = "") 
     if pp_size > 1:
         if getattr(param, "shared_embedding", False) or getattr(param, "shared", False):
             return True
+        if getattr(config, "flextron", False) and getattr(param, "flextron_router_pp_sync", False):
+            return True  # megatron 0.19: the router's gradients all-reduced over PP stages
         if getattr(param, "pipeline_parallel", False) or name.endswith("position_embeddings.weight"):
             return True
     return False

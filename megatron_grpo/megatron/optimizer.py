@@ -9,7 +9,8 @@ thin overrides:
   release the others read the shard each bucket kept after its sync (megatron/grad_storage.py),
   megatron's whole-model buffer being gone. A shard the memory tier holds away
   (megatron/grad_shards.py) is read back just before its unit's update (``bring_grads``); until
-  then its norm stands in for it (``get_main_grads_for_grad_norm``) and its clipping waits.
+  then its norm stands in for it (``get_main_grads_for_grad_norm``, 0.19's
+  ``get_grads_for_grad_norm``: megatron/compat.py) and its clipping waits.
 * ``_copy_main_params_to_model_params``: a compressed unit's (dynamic, or core with
   --grpo-core-compressor) updated master shard goes to a staging
   buffer instead of the parameter buffer, quantised against the model copy once complete
@@ -89,6 +90,7 @@ class GRPODistributedOptimizer(DistributedOptimizer):
             grads = getattr(bucket, "grpo_grads", None)
             if grads is not None and grads.placed(model_param):
                 # On host memory or SSD until its unit's update (bring_grads).
+                _refuse_separate_norm_group(shard, unit)
                 shard.grad = None
                 self._grads_away.setdefault(unit, []).append((model_param, shard))
                 continue
@@ -131,30 +133,43 @@ class GRPODistributedOptimizer(DistributedOptimizer):
         """Units whose gradients were away and never brought back this step (must be none)."""
         return sorted(self._grads_away)
 
-    # -- replaces MegatronOptimizer.get_main_grads_for_grad_norm -----------------------------------
+    # -- replaces MegatronOptimizer.get_main_grads_for_grad_norm (megatron <= 0.18) and
+    #    get_grads_for_grad_norm (0.19 and later; compat.GRAD_NORM_METHODS) -------------------------
     def get_main_grads_for_grad_norm(self):
         """megatron's list, with each gradient the memory tier holds away represented by its
         norm taken at release (a one-element tensor: its norm is that norm exactly), in the
         same place in the list."""
-        if not self._grads_away:
-            return super().get_main_grads_for_grad_norm()
-        from megatron.core import tensor_parallel
-        from megatron.core.transformer.module import param_is_not_shared
+        with self._away_grads_stand_in() as norms_for:
+            return norms_for(super().get_main_grads_for_grad_norm())
 
-        away = {id(s) for pairs in self._grads_away.values() for _, s in pairs}
-        decoupled = self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
-        out = []
-        for param in self.get_parameters():
-            if id(param) in away:
-                grad = self.grad_shards.norm_of(param).reshape(1)
-            elif decoupled:
-                grad = getattr(param, "decoupled_grad", None)
-            else:
-                grad = param.grad
-            if grad is not None and param_is_not_shared(param) and \
-                    tensor_parallel.param_is_not_tensor_parallel_duplicate(param, getattr(self, "tp_group", None)):
-                out.append(grad)
-        return out
+    def get_grads_for_grad_norm(self, grad_norm_group=None):
+        """megatron 0.19's name (and its separate grad-norm groups, e.g. MTP): as above. Only
+        the old name overridden, gradients away dropped out of the norm (0.0 in a step where
+        every gradient was away) and clipping was silently weakened."""
+        with self._away_grads_stand_in() as norms_for:
+            return norms_for(super().get_grads_for_grad_norm(grad_norm_group))
+
+    @contextlib.contextmanager
+    def _away_grads_stand_in(self):
+        """While megatron builds its list (its own filters: shared, TP duplicates, norm groups,
+        whatever the version), each shard whose gradient is away carries a stand-in gradient
+        of one element broadcast to its shape (no memory); the stand-ins in megatron's list are
+        then replaced by the norms taken at release, so the list keeps megatron's order."""
+        stand_ins = {}
+        for pairs in self._grads_away.values():
+            for _, shard in pairs:
+                if shard.grad is None:
+                    shard.grad = torch.zeros(1, dtype=shard.dtype, device=shard.device).expand(shard.shape)
+                    stand_ins[id(shard.grad)] = shard
+
+        def norms_for(grads):
+            return [self.grad_shards.norm_of(stand_ins[id(g)]).reshape(1) if id(g) in stand_ins else g
+                    for g in grads]
+        try:
+            yield norms_for
+        finally:
+            for shard in stand_ins.values():
+                shard.grad = None
 
     # -- extends DistributedOptimizer.prepare_grads (megatron's found-inf path) --------------------
     @torch.no_grad()
@@ -202,6 +217,8 @@ class GRPODistributedOptimizer(DistributedOptimizer):
             # rather than after it. With the memory tier their write-out waits for the step's
             # end, off the streamed state's copies (GRPOController.end_step).
             ctrl.ef.commit()
+        if ctrl is not None:
+            ctrl.note_applied()
         return super().step_with_ready_grads()
 
     # -- extend MegatronOptimizer.get_grad_norm / clip_grad_norm -----------------------------------
@@ -397,3 +414,17 @@ def load_optimizer_state(optimizer, state: Dict) -> None:
     for o, outer in zip(opts, state.get("outer", [None] * len(opts))):
         if o.outer_sync is not None:
             o.outer_sync.load_state_dict(outer)
+
+
+def _refuse_separate_norm_group(shard, unit: int) -> None:
+    """megatron 0.19 clips parameters of a separate grad-norm group (multi-token prediction,
+    ``grad_norm_group='mtp'``) by that group's own norm; a gradient brought back from the memory
+    tier is clipped by the main norm (bring_grads), so such a parameter must not go away."""
+    group = getattr(shard, "grad_norm_group", None)
+    if group is None:
+        return
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    raise ValueError(f"rank {rank}: GRPO's memory tier would hold away the gradient of a parameter "
+                     f"in megatron's separate grad-norm group {group!r} (unit {unit}), which megatron "
+                     f"clips by its own norm: run with --no-grpo-offload-grads (optimizer state "
+                     f"still moves), or without a separate norm group for {group!r}")

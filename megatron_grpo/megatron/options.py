@@ -28,6 +28,16 @@ what to do. Nothing is half supported: a run that starts does not crash or go wr
   unscales gradients it brings back, and its error-feedback residuals and delayed accumulators
   would carry gradients scaled by a factor that changes from step to step. Refused, naming bf16
   (``--bf16``, no loss scale needed) as the way.
+* options of megatron-core 0.17-0.19 (megatron/compat.py), read with ``getattr`` so one rule
+  serves every version: ``fp4_param_gather`` (quantised in megatron's parameter copy, as fp8:
+  refused); ``param_name_patterns_for_fp32_local_accumulation`` (fp32 ``main_grad`` copies
+  beside bf16 buffers, copied in and out around megatron's own collective, which GRPO's
+  compressed path replaces: refused, as bf16 buffers are); ``num_buckets`` (the bucket count
+  replaces the size GRPO's tier units are cut by: refused, naming ``--grpo-bucket-mb``); GTP
+  weight remat (``gtp_weight_remat_size`` > 1: gradients reduced over a replicate group
+  GRPO's collectives do not know: refused); ``use_layer_wise_distributed_optimizer`` (not
+  megatron's DistributedOptimizer, which GRPO subclasses: refused);
+  ``grad_norm_skip_threshold`` (carried: the controller counts such a step as skipped).
 * the precision-aware optimizer (``use_precision_aware_optimizer``): the optimizer holds the
   main parameters and reads ``decoupled_grad``, which GRPO's per-tier gradient skipping does not
   clear and its parameter staging does not read. Refused.
@@ -87,6 +97,30 @@ def check_ddp_options(ddp_config, tf_config, grad_dtypes: Iterable[torch.dtype],
             f"Keep bf16 parameters (fp8 compute without --fp8-param-gather is fine)")
     if getattr(tf_config, "fp16", False):
         raise _loss_scaling_refusal("TransformerConfig", ["fp16"], rank)
+    if getattr(ddp_config, "fp4_param_gather", False):
+        raise ValueError(
+            f"rank {rank}: GRPO does not support fp4 parameters (DistributedDataParallelConfig."
+            f"fp4_param_gather): megatron quantises them in its optimizer's parameter copy, which "
+            f"GRPO's per-tier copy and compressed gather replace. Keep bf16 parameters")
+    if getattr(ddp_config, "param_name_patterns_for_fp32_local_accumulation", ()):
+        raise ValueError(
+            f"rank {rank}: GRPO does not support DistributedDataParallelConfig."
+            f"param_name_patterns_for_fp32_local_accumulation (fp32 main_grad copies beside bf16 "
+            f"gradient buffers, copied around megatron's own collective, which GRPO's compressed "
+            f"path replaces): use fp32 gradient buffers instead, grad_reduce_in_fp32=True "
+            f"(Megatron-LM: --accumulate-allreduce-grads-in-fp32)")
+    if getattr(ddp_config, "num_buckets", None) is not None:
+        raise ValueError(
+            f"rank {rank}: GRPO does not support DistributedDataParallelConfig.num_buckets="
+            f"{ddp_config.num_buckets}: GRPO's tier units are megatron's buckets, cut by size. Set "
+            f"the size instead (--grpo-bucket-mb, or DistributedDataParallelConfig.bucket_size)")
+    gtp = [name for name in ("gtp_weight_remat_size", "expert_gtp_weight_remat_size")
+           if (getattr(tf_config, name, 1) or 1) > 1]
+    if gtp:
+        raise ValueError(
+            f"rank {rank}: GRPO does not support GTP weight remat ({', '.join(gtp)} > 1 on "
+            f"TransformerConfig): megatron reduces those gradients over a replicate group that "
+            f"GRPO's collectives and tiers do not span. Run with {gtp[0]}=1")
     if controller_dp_size is not None and ddp_dp_size is not None and controller_dp_size != ddp_dp_size:
         cp = getattr(tf_config, "context_parallel_size", 1)
         raise ValueError(
@@ -101,6 +135,11 @@ def check_optimizer_options(opt_config, rank: int) -> None:
     scaled = [name for name in ("fp16", "loss_scale") if getattr(opt_config, name, None)]
     if scaled:
         raise _loss_scaling_refusal("OptimizerConfig", scaled, rank)
+    if getattr(opt_config, "use_layer_wise_distributed_optimizer", False):
+        raise ValueError(
+            f"rank {rank}: GRPO does not support the layer-wise distributed optimizer "
+            f"(OptimizerConfig.use_layer_wise_distributed_optimizer): GRPO runs inside megatron's "
+            f"DistributedOptimizer. Use --use-distributed-optimizer without it")
     if getattr(opt_config, "use_precision_aware_optimizer", False):
         raise ValueError(
             f"rank {rank}: GRPO does not support the precision-aware optimizer "

@@ -24,7 +24,8 @@ Schedule of iteration k (1-based):
 * with instances > 1 a periodic tier (--grpo-{core,dynamic}-sync-interval > 1, --grpo-stable-mode
   local) trains locally inside each instance and syncs across instances on OuterSchedule's
   schedule; a re-tier waits for, and is preceded by, an exact sync of every periodic tier.
-* a step the optimizer skips (a non-finite gradient on any rank, ``note_nonfinite``) changes
+* a step the optimizer skips (a non-finite gradient on any rank, ``note_nonfinite``, or an
+  update megatron skips after that check, ``note_applied``) changes
   no GRPO state: error-feedback residuals, carries, delayed accumulators and importance are
   only updated by ``end_step`` of an applied step.
 """
@@ -200,6 +201,7 @@ class GRPOController(ControllerState, ControllerReport):
         self._carry_used: set = set()
         self._health: Optional[HealthSums] = None
         self.step_skipped = False
+        self._awaiting_update = 0  # optimizers that found this step finite and have not applied it
         self.skipped_steps = 0
         cuda = self.device.type == "cuda"
         self.side_stream = torch.cuda.Stream(device=self.device) if cuda else None
@@ -278,6 +280,7 @@ class GRPOController(ControllerState, ControllerReport):
             measure_health=self.tiered and (k % c.gvr_interval == 0) and bool(self._watched_tiers()),
         )
         self.step_skipped = False
+        self._awaiting_update = 0
         self._health = HealthSums(len(self.units), self.device) if self.step.measure_health else None
         self.health.new_step()
         self.importance_timer.reset()
@@ -311,14 +314,28 @@ class GRPOController(ControllerState, ControllerReport):
 
     def note_nonfinite(self, found: bool) -> None:
         """An optimizer found a non-finite gradient (agreed over all ranks): the step is skipped.
-        With several chained optimizers each reports; one finding is enough."""
+        With several chained optimizers each reports; one finding is enough. Finite, the
+        optimizer still has to apply it (``note_applied``)."""
         self.step_skipped = self.step_skipped or bool(found)
+        if not found:
+            self._awaiting_update += 1
+
+    def note_applied(self) -> None:
+        """An optimizer that found its gradients finite applied the update
+        (``step_with_ready_grads``). megatron may skip it after the check (0.18's
+        ``grad_norm_skip_threshold``, megatron/compat.py): a step some optimizer prepared but
+        did not apply is skipped for GRPO too, or its residuals and accumulators would be
+        committed for an update Adam never took."""
+        self._awaiting_update -= 1
 
     def end_step(self) -> None:
         """Called after the optimizer step of the current iteration: applies what the step used
         (residuals, carries, accumulators, importance) or, if it was skipped, leaves them."""
         self.join_side_stream()
         self.staging.clear()
+        if self._awaiting_update > 0:
+            self.step_skipped = True  # found finite, then not applied (see note_applied)
+        self._awaiting_update = 0
         if self.step_skipped:
             self.skipped_steps += 1
             self.outer_synced = []  # its syncs across instances stay pending (OuterSchedule)
