@@ -8,11 +8,14 @@
 #   bash tools/gpu_check.sh --phases a b    # some phases only
 #   bash tools/gpu_check.sh --list
 #   bash tools/gpu_check.sh --fetch-wheels  # fill .whl/ (needs the network; do it before a loan)
+#   bash tools/gpu_check.sh --megatron 0.19.2 --phases a b c d   # the same phases on megatron-core 0.19.2
 #
 # The device image has torch (CUDA) and transformers but no megatron-core: the check carries it
 # as wheels in .whl/ (git-ignored, about 10 MB: carry it to the device machine with the working
 # tree), installed offline by phase a. --fetch-wheels downloads megatron-core 0.16.1 for CPython
-# 3.10-3.13 (manylinux x86_64) and einops and psutil (megatron-core uses them undeclared).
+# 3.10-3.13 and 0.19.2 (the newest supported; Python >= 3.12) for 3.12-3.13 (manylinux x86_64),
+# and einops and psutil (megatron-core uses them undeclared). --megatron VERSION: phase a
+# installs that megatron-core from .whl/ instead of 0.16.1 (GPU_CHECK_MEGATRON).
 #
 # Environment: OUT (default /tmp/gpu_out), PYTHON (default python3), GPU_CHECK_NO_WHEELS=1 (do
 # not install .whl/), GPU_CHECK_TIMEOUT (hard limit on the Python part, s).
@@ -27,6 +30,17 @@ mkdir -p "$OUT" || exit 2
 export OUT PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 PY="${PYTHON:-python3}"
 
+ARGS=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --megatron)
+      [ $# -ge 2 ] || { echo "tools/gpu_check.sh: --megatron needs a version, e.g. --megatron 0.19.2" >&2; exit 2; }
+      export GPU_CHECK_MEGATRON="$2"; shift 2 ;;
+    *) ARGS+=("$1"); shift ;;
+  esac
+done
+set -- "${ARGS[@]+"${ARGS[@]}"}"
+
 for arg in "$@"; do
   case "$arg" in
     --list|-h|--help) exec "$PY" tools/gpu_check.py "$@" ;;
@@ -36,6 +50,10 @@ for arg in "$@"; do
       for v in 3.10 3.11 3.12 3.13; do
         "$PY" -m pip download --quiet --no-deps --only-binary=:all: --python-version "$v" \
           --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.16.1
+      done
+      for v in 3.12 3.13; do
+        "$PY" -m pip download --quiet --no-deps --only-binary=:all: --python-version "$v" \
+          --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.19.2
       done
       "$PY" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
         --platform manylinux_2_28_x86_64 -d .whl einops psutil

@@ -294,3 +294,20 @@ def test_every_file_the_check_starts_exists():
              os.path.join(common.ROOT, "launch", "plan.py"), os.path.join(common.ROOT, "launch", "configs", "tiny.yaml")]
     assert [p for p in paths if not os.path.isfile(p)] == []
     assert specs.plan_cli() is not None
+
+
+def test_megatron_flag_chooses_the_version_phase_a_installs_and_checks(tmp_path):
+    """--megatron VERSION (the newest supported release beside 0.16.1 on a device loan): the
+    shell passes it on as GPU_CHECK_MEGATRON, phase a installs and asserts that version."""
+    bad = subprocess.run(["bash", SCRIPT_SH, "--megatron"], env=_env(tmp_path), capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "--megatron needs a version, e.g. --megatron 0.19.2" in bad.stderr
+    probe = ("import os, sys; sys.path.insert(0, os.path.join(sys.argv[1], 'tools')); "
+             "from gpu_checks import phase_a; print(phase_a.MEGATRON_CORE)")
+    for env, want in (({}, "0.16.1"), ({"GPU_CHECK_MEGATRON": "0.19.2"}, "0.19.2")):
+        base = {k: v for k, v in os.environ.items() if k != "GPU_CHECK_MEGATRON"}
+        got = subprocess.run([sys.executable, "-c", probe, REPO], env={**base, **env},
+                             capture_output=True, text=True, timeout=120)
+        assert got.stdout.strip().splitlines()[-1] == want, got.stderr[-2000:]
+    text = open(SCRIPT_SH).read()
+    assert "megatron-core==0.19.2" in text and 'export GPU_CHECK_MEGATRON="$2"' in text

@@ -3,8 +3,10 @@
 The device image has torch (CUDA build) and transformers but no megatron-core, no
 transformer-engine and no apex. What the check needs beyond the image travels as wheels in
 .whl/ (git-ignored; filled on a machine with network access by
-``bash tools/gpu_check.sh --fetch-wheels``: megatron-core 0.16.1 for CPython 3.10-3.13, plus
-einops and psutil, which megatron-core uses without declaring them). They are installed with
+``bash tools/gpu_check.sh --fetch-wheels``: megatron-core 0.16.1 for CPython 3.10-3.13 and
+0.19.2, the newest supported release, for CPython 3.12-3.13 (it needs Python >= 3.12), plus
+einops and psutil, which megatron-core uses without declaring them). The version installed is
+0.16.1, or the one ``--megatron VERSION`` names (``GPU_CHECK_MEGATRON``). They are installed with
 pip, offline (``--no-index --find-links .whl``), into a folder put first on PYTHONPATH for
 every process the check starts; pip picks the wheel matching the image's Python.
 """
@@ -19,7 +21,8 @@ import sys
 from .common import ROOT, Expect, run_command, table
 
 WHEEL_DIR = os.path.join(ROOT, ".whl")
-MEGATRON_CORE = "0.16.1"
+# The megatron-core the check runs on: tools/gpu_check.sh --megatron VERSION sets it.
+MEGATRON_CORE = os.environ.get("GPU_CHECK_MEGATRON") or "0.16.1"
 # Installed from .whl/ when the image cannot import them (megatron-core: always, pinned).
 OPTIONAL_WHEELS = ("einops", "psutil")
 
