@@ -78,9 +78,11 @@ class FlagChange:
     why: str = ""
     warn: bool = True
     """A WARNING line of its own (False: listed in the one line of other changes that took effect)."""
+    detail: str = ""
+    """Said after the two values, e.g. how the lr decay length follows from --train-iters."""
 
     def values(self) -> str:
-        return f"{self.flag} {_show(self.saved)} in the checkpoint, {_show(self.given)} here"
+        return f"{self.flag} {_show(self.saved)} in the checkpoint, {_show(self.given)} here{self.detail}"
 
 
 def _show(value) -> str:
@@ -147,6 +149,20 @@ def _steps(samples, gbs: Optional[int]):
     return f"{samples} samples"
 
 
+def _decay_by_train_iters(a, b, s_flags: Optional[Dict], g_flags: Dict):
+    """(saved, given, detail) of a decay length set by --train-iters: the --train-iters the user
+    gave on each side, and where the decay length differs from it (the lr decays over
+    max(--train-iters, --lr-warmup-iters + 1) iterations: a run whose warm-up fills it), both
+    lengths. With another --global-batch-size the lengths stay in samples."""
+    s_iters, g_iters = (s_flags or {}).get("--train-iters"), g_flags.get("--train-iters")
+    if not (isinstance(a, int) and isinstance(b, int) and s_iters is not None and g_iters is not None):
+        return a, b, ""
+    if (a, b) == (s_iters, g_iters):
+        return a, b, ""
+    return s_iters, g_iters, (f" (the lr decays over max(--train-iters, --lr-warmup-iters + 1) "
+                              f"iterations: {a} in the checkpoint, {b} here)")
+
+
 def _optimizer_change(flag, saved, given, override: bool, use_checkpoint: bool) -> FlagChange:
     if override:
         return FlagChange(flag, saved, given, COMMAND_LINE, f"this run's value is used ({OVERRIDE})")
@@ -195,11 +211,14 @@ def compare(saved: Dict, given: Dict, override: bool = False, use_checkpoint: bo
                     for d in (s_sched, g_sched))
         if a == b:
             continue
+        detail = ""
         if key in ("lr_warmup_steps", "lr_decay_steps"):
             a, b = _steps(a, gbs), _steps(b, gbs)
             if key == "lr_decay_steps" and not explicit_decay:
                 flag = DECAY_BY_TRAIN_ITERS
-        changes.append(_optimizer_change(flag, a, b, override, use_checkpoint))
+                a, b, detail = _decay_by_train_iters(a, b, s_flags, g_flags)
+        change = _optimizer_change(flag, a, b, override, use_checkpoint)
+        changes.append(dataclasses.replace(change, detail=detail) if detail else change)
     if saved.get("adam") is not None:
         for flag in ADAM:
             if saved["adam"][flag] != given["adam"][flag]:

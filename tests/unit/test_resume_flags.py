@@ -75,6 +75,31 @@ def test_longer_train_iters_changes_the_decay_unless_lr_decay_iters_keeps_it():
         ("--train-iters", 40, 60, rf.COMMAND_LINE)]
 
 
+def test_a_decay_length_set_by_the_warm_up_names_the_train_iters_the_user_gave():
+    # 20 iterations with a 20-iteration warm-up, resumed with --train-iters 25: the decay length
+    # is max(--train-iters, --lr-warmup-iters + 1) = 21, not the 20 the user gave. Before, the
+    # refusal said "--train-iters ... 21 in the checkpoint", a value the user never gave.
+    old, new = _cfg("--train-iters", "20"), _cfg("--train-iters", "25")
+    common, opt = _checkpoint(old, iteration=20)
+    saved = rf.checkpoint_view(common, rf.adam_settings(opt.param_groups))
+    given = rf.run_view(new, build_scheduler(new, _optimizer(new)).state_dict(), 2)
+    changes = rf.compare(saved, given)
+    assert [(c.flag, c.saved, c.given, c.outcome) for c in changes] == [
+        (rf.DECAY_BY_TRAIN_ITERS, 20, 25, rf.REFUSED)]
+    assert changes[0].values() == (
+        "--train-iters (the lr decay, no --lr-decay-iters) 20 in the checkpoint, 25 here (the lr "
+        "decays over max(--train-iters, --lr-warmup-iters + 1) iterations: 21 in the checkpoint, 25 here)")
+    # Where the decay length is --train-iters itself, nothing more is said.
+    assert rf.compare(*_views(_cfg(), _cfg("--train-iters", "60")))[0].values() == (
+        "--train-iters (the lr decay, no --lr-decay-iters) 40 in the checkpoint, 60 here")
+
+
+def _views(old, new, iteration=40):
+    common, opt = _checkpoint(old, iteration=iteration)
+    return (rf.checkpoint_view(common, rf.adam_settings(opt.param_groups)),
+            rf.run_view(new, build_scheduler(new, _optimizer(new)).state_dict(), 2))
+
+
 def test_adam_settings_and_weight_decay_follow_the_same_flags():
     assert _compare(_cfg(), _cfg("--adam-beta2", "0.99", "--weight-decay", "0.1", "--adam-eps", "1e-6")) == [
         ("--weight-decay", 0.01, 0.1, rf.REFUSED), ("--adam-beta2", 0.95, 0.99, rf.REFUSED),
