@@ -1,4 +1,4 @@
-"""A GRPO training run whose inner optimizer has TE FusedAdam's semantics (tests/fused_adam_double.py):
+"""A GRPO training run whose inner optimizer has TE FusedAdam's semantics (megatron_grpo/platform/fused_adam.py):
 
     torchrun --nproc_per_node 2 tests/multiproc/fused_adam_probe.py OUT.json [--apex] <training flags...>
 
@@ -22,7 +22,7 @@ from harness import leave, write_gathered  # noqa: E402  (the probes' shared epi
 def main():
     import torch
 
-    from fused_adam_double import install
+    from megatron_grpo.platform.fused_adam import install
     from megatron_grpo.megatron import grpo_hooks, grpo_optimizers
     from megatron_grpo.training.arguments import parse_args
     from megatron_grpo.training.loop import run

@@ -1,5 +1,5 @@
 """The memory tier with a fused optimizer (issue 27, item 4), in real 2-rank GRPO runs: megatron
-builds TE FusedAdam's CPU double (tests/fused_adam_double.py) as its inner optimizer, as it
+builds TE FusedAdam's CPU double (megatron_grpo/platform/fused_adam.py) as its inner optimizer, as it
 builds TE's FusedAdam on a CUDA machine. With the memory tier (--grpo-offload cpu, streamed)
 the losses are those of the same run without it, bit for bit; every param group's step counter
 is the iteration (not iterations x streamed units); and no step() call holds more optimizer

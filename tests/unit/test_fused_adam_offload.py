@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fused_adam_double import FusedAdamDouble
+from megatron_grpo.platform.fused_adam import FusedAdamDouble
 from megatron_grpo.megatron.offload import _opt_state, _window_inner_step
 from megatron_grpo.offload import ChunkStore, OffloadConfig
 from megatron_grpo.offload.placement import TierPlacement

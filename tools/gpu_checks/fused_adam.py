@@ -9,9 +9,9 @@ process:
 
 * ``te`` / ``apex``: the real FusedAdam (only where the package imports);
 * ``torch_fused``: ``torch.optim.AdamW(fused=True)`` on CUDA (per-parameter step tensors);
-* ``double``: ``FusedAdamDouble``, FusedAdam's observable semantics in plain torch (a copy of
-  the minimal logic of tests/fused_adam_double.py: the device check never imports from tests/),
-  for machines without TE or apex, CPU included.
+* ``double``: ``FusedAdamDouble`` (megatron_grpo/platform/fused_adam.py, TE's semantics),
+  FusedAdam's observable semantics in plain torch, for machines without TE or apex, CPU
+  included.
 
 Every optimizer megatron builds is recorded; ``dump(path)`` writes their step counters as JSON
 (rank-local) after the run.
@@ -24,56 +24,16 @@ from typing import List
 
 import torch
 
+from megatron_grpo.platform.fused_adam import FusedAdamDouble as _Double
+
 KINDS = ("te", "apex", "torch_fused", "double")
 GROUP_STEP_KINDS = ("te", "apex", "double")  # one counter per param group
 RECORDED: List[torch.optim.Optimizer] = []
 
 
-class FusedAdamDouble(torch.optim.Optimizer):
-    """TE FusedAdam's observable semantics: ``group["step"]`` advanced by every ``step()`` call
-    for every non-empty group whatever the gradients (bias correction uses it; no per-parameter
-    step); the moments of EVERY parameter of a group made at the first ``step()`` (eager); the
-    fused kernel's update (adam_w_mode: decay added to the update, else to the gradient)."""
-
-    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
-                 adam_w_mode=True, weight_decay=0.0, amsgrad=False):
-        if amsgrad:
-            raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
-                        weight_decay=weight_decay)
-        super().__init__(params, defaults)
-        self.adam_w_mode = bool(adam_w_mode)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = closure() if closure is not None else None
-        for group in self.param_groups:
-            if len(group["params"]) == 0:  # TE does not advance an empty group
-                continue
-            group["step"] = group["step"] + 1 if "step" in group else 1
-            step = group["step"]
-            beta1, beta2 = group["betas"]
-            bc1 = 1 - beta1 ** step if group["bias_correction"] else 1.0
-            bc2 = 1 - beta2 ** step if group["bias_correction"] else 1.0
-            lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
-            for p in group["params"]:
-                state = self.state[p]
-                if len(state) == 0:  # eager: with or without a gradient
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-                if p.grad is None:
-                    continue
-                g = p.grad.float()
-                if not self.adam_w_mode and decay:
-                    g = g + decay * p
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                m.mul_(beta1).add_(g, alpha=1 - beta1)
-                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                update = (m / bc1) / ((v / bc2).sqrt() + eps)
-                if self.adam_w_mode and decay:
-                    update = update + decay * p
-                p.add_(update, alpha=-lr)
-        return loss
+# FusedAdam's semantics as TE has them (eager state, an empty group skipped); the one copy
+# lives in the package (megatron_grpo/platform/fused_adam.py), which the CPU tests use too.
+FusedAdamDouble = type("FusedAdamDouble", (_Double,), {"eager": True, "empty_group_fails": False})
 
 
 class TorchFusedAdamW(torch.optim.AdamW):

@@ -1,6 +1,7 @@
-"""A CPU optimizer with the observable semantics of transformer-engine's and apex's FusedAdam
-(issue 27, item 4), for tests: installed where megatron-core picks its Adam class, it makes a
-CPU run exercise what a CUDA run with TE or apex does.
+"""FusedAdamDouble: transformer-engine's and apex's FusedAdam, their observable semantics in
+plain torch. Installed where megatron-core picks its Adam class, it makes a run on a machine
+without TE or apex (CPU included) exercise what a CUDA run with them does. The one copy: the CPU
+tests and the device check (tools/gpu_checks/fused_adam.py) both use it.
 
 What it copies (read from transformer_engine/pytorch/optimizers/fused_adam.py and
 apex/optimizers/fused_adam.py):
@@ -10,7 +11,8 @@ apex/optimizers/fused_adam.py):
 * TE: the state of EVERY parameter of every group it is handed (``exp_avg``, ``exp_avg_sq``) is
   made at the first ``step()`` that sees it, with or without a gradient (``eager=True``).
   apex makes it only for parameters with a gradient (``eager=False``).
-* apex reads ``group["params"][0]`` of every group: an empty param group fails.
+* apex reads ``group["params"][0]`` of every group: an empty param group fails
+  (``empty_group_fails``, the default: the stricter of the two); TE skips an empty group.
 * the update of the fused kernel (csrc multi_tensor_adam.cu): m, v, m/bc1 / (sqrt(v/bc2)+eps),
   adam_w_mode adds the decay to the update, else to the gradient.
 
@@ -25,6 +27,7 @@ import torch
 
 class FusedAdamDouble(torch.optim.Optimizer):
     eager = True  # TE's behaviour; install(eager=False) for apex's
+    empty_group_fails = True  # apex's; TE skips an empty group (False)
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
                  adam_w_mode=True, weight_decay=0.0, amsgrad=False):
@@ -52,6 +55,8 @@ class FusedAdamDouble(torch.optim.Optimizer):
         for group in self.param_groups:
             params = group["params"]
             if len(params) == 0:
+                if not self.empty_group_fails:
+                    continue  # TE does not advance an empty group
                 # apex: device = group['params'][0].device
                 raise IndexError("FusedAdam (apex) indexes group['params'][0]: an empty param "
                                  "group fails")
@@ -82,7 +87,7 @@ class FusedAdamDouble(torch.optim.Optimizer):
         return loss
 
 
-def install(eager: bool = True) -> type:
+def install(eager: bool = True, empty_group_fails: bool = True) -> type:
     """Make megatron-core build FusedAdamDouble where it would build TE's (``eager``) or apex's
     FusedAdam, with the module flags a machine with that package has: megatron.core.optimizer
     looks ``Adam`` and ``USING_PYTORCH_OPTIMIZER`` up when it builds the optimizer (and then
@@ -92,7 +97,7 @@ def install(eager: bool = True) -> type:
     import megatron.core.optimizer as mopt
     import megatron.core.optimizer.distrib_optimizer as dopt
 
-    cls = type("FusedAdamDouble", (FusedAdamDouble,), {"eager": eager})
+    cls = type("FusedAdamDouble", (FusedAdamDouble,), {"eager": eager, "empty_group_fails": empty_group_fails})
     mopt.Adam = cls
     mopt.USING_PYTORCH_OPTIMIZER = False
     dopt.Adam = cls
