@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--largest-model", action="store_true",
                    help="also search the largest --num-layers (the rest of the config kept) whose "
                         "peak per GPU fits --gpu-memory-gb, baseline and GRPO (with the --grpo-offload "
-                        "flags given); docs/planner.md")
+                        "flags given), and megatron's optimizer_cpu_offload and Megatron-FSDP "
+                        "(predictions); docs/planner.md")
     p.add_argument("--reserve-gb", type=float, default=0.0,
                    help="with --largest-model: memory per GPU held outside model state and "
                         "activations (CUDA context, NCCL buffers, fragmentation; on CPU the "
@@ -86,15 +87,16 @@ def presets_table() -> str:
 
 
 def largest_models(model, cluster, grpo, bucket, offload, memory_gb: float, reserve_gb: float) -> str:
-    """--largest-model: the baseline's and GRPO's largest layer count under memory_gb per GPU."""
-    from megatron_grpo.planner.capacity import format_capacity, largest_model
+    """--largest-model: the largest layer count under memory_gb per GPU of the baseline, GRPO and
+    megatron-core's own memory options (CPU optimizer offload, Megatron-FSDP: predictions)."""
+    from megatron_grpo.planner.capacity import WHICH, format_capacity, largest_model
 
     if reserve_gb < 0 or reserve_gb >= memory_gb:
         raise ValueError(f"--reserve-gb must be >= 0 and below --gpu-memory-gb ({memory_gb:g}), "
                          f"got {reserve_gb:g}")
     caps = [largest_model(model, cluster, grpo, int(memory_gb * 1e9), which,
                           reserve_bytes=int(reserve_gb * 1e9), bucket_size=bucket, offload=offload)
-            for which in ("baseline", "grpo")]
+            for which in WHICH]
     return format_capacity(caps, memory_gb, reserve_gb)
 
 

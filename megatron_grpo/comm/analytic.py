@@ -97,3 +97,19 @@ def baseline_step_bytes(bucket_numels: Sequence[int], dp: int, grad_bytes: int =
         params = sum((dp - 1) * (n // dp) * param_bytes for n in bucket_numels)
         return grads, params
     return sum((2 * (dp - 1) * n * grad_bytes) // dp for n in bucket_numels), 0
+
+
+def fp32_accumulation_step_bytes(bucket_numels: Sequence[int], dp: int,
+                                 param_bytes: int = 2) -> Tuple[int, int]:
+    """(gradient bytes, parameter bytes) one rank sends per step with megatron-core's
+    ``DistributedDataParallelConfig.reduce_scatter_with_fp32_accumulation`` (0.16.1,
+    distributed/reduce_scatter_with_fp32_accumulation.py), a benchmark peer that is not run here.
+
+    That reduce-scatter is one ``all_to_all_single`` of each bucket's gradient in the buffer's
+    dtype, then a local fp32 sum of the dp chunks received. It needs a bf16 gradient buffer
+    (bf16 parameters with ``grad_reduce_in_fp32=False``), so 2 bytes per element, and a rank
+    keeps its own chunk: (dp-1) * (n/dp) * 2 per bucket, the ring reduce-scatter's share at
+    half the fp32 bytes (``comm/wire.py`` counts the all-to-all the same way). The parameter
+    all-gather is megatron's own, in the parameter dtype (``param_bytes``: 2 for bf16).
+    """
+    return baseline_step_bytes(bucket_numels, dp, grad_bytes=2, param_bytes=param_bytes)

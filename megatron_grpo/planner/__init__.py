@@ -4,6 +4,7 @@ before anything is built (launch/plan.py, --grpo-memory-budget-gb, the benches).
 plan.py (the plan: parameters, gradients, optimizer state, GRPO's extra state, bytes on the
 wire), grads.py (gradient buffers, release and shards through the memory tier), activations.py
 (megatron-core GPTModel's activations, recompute included), format.py (the printed tables),
-capacity.py (the largest model that fits), internode.py (bytes between nodes of the
-hierarchical and periodic tiers). Measured against real runs in tests/multiproc/test_planner_*.
+capacity.py (the largest model that fits), peers.py (megatron-core's own memory options
+beside it: CPU optimizer offload, Megatron-FSDP; predictions), internode.py (bytes between
+nodes of the hierarchical and periodic tiers). Measured against real runs in tests/multiproc/test_planner_*.
 """

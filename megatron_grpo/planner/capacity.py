@@ -8,7 +8,9 @@ plain search. What the planner does not model -- the runtime (CUDA context and N
 GPU, the Python process on CPU) and anything else a job holds outside model state and
 activations -- is the caller's ``reserve_bytes``; ``python -m megatron_grpo.bench memcap``
 measures it and holds the prediction against the largest model that really trains under a
-memory cap.
+memory cap. Beside them, megatron-core's own memory options (CPU optimizer offload,
+Megatron-FSDP: ``megatron_grpo/planner/peers.py``, predictions with their formulas) are searched
+the same way.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron_grpo.planner.peers import PEERS, peer_memory
 from megatron_grpo.planner.plan import ClusterSpec, ModelSpec, plan, stage_param_numels
 
-WHICH = ("baseline", "grpo")
-"""Which side of the plan a search sizes: megatron's baseline, or GRPO with the offload given."""
+WHICH = ("baseline", "grpo", *PEERS)
+"""Which memory a search sizes: megatron's baseline (DistributedOptimizer), GRPO with the
+offload given, or one of megatron-core's own memory options (planner/peers.py)."""
 
 
 @dataclass
@@ -28,7 +32,8 @@ class Capacity:
     """The largest layer count that fits one rank's budget, and what it holds."""
 
     which: str
-    """"baseline" or "grpo" (with the OffloadConfig the search was given)."""
+    """One of ``WHICH``: "baseline", "grpo" (with the OffloadConfig the search was given) or a
+    megatron-core memory option (a prediction: planner/peers.py)."""
     layers: int
     """Largest num_layers whose predicted peak fits; 0 when not even one layer fits."""
     params: int
@@ -54,6 +59,8 @@ def rank_peak_bytes(model: ModelSpec, cluster: ClusterSpec, grpo, which: str,
     plus ``reserve_bytes``."""
     if which not in WHICH:
         raise ValueError(f"which must be one of {', '.join(WHICH)}, got {which!r}")
+    if which in PEERS:
+        return reserve_bytes + peer_memory(model, cluster, grpo, which, bucket_size).total
     p = plan(model, cluster, grpo, bucket_size=bucket_size,
              offload=offload if which == "grpo" else None)
     # Each side's own busiest stage (with pp > 1 GRPO's and the baseline's may differ).
@@ -93,18 +100,37 @@ def largest_model(model: ModelSpec, cluster: ClusterSpec, grpo, budget_bytes: in
     return Capacity(which, lo, model_params(sized, cluster), peak(lo), peak(lo + step), budget_bytes)
 
 
+PEER_LABELS = {"megatron-cpu-offload": "optimizer_cpu_offload",
+               "megatron-fsdp": "Megatron-FSDP"}
+"""How --largest-model names megatron-core's options: the setting a user turns on."""
+
+
 def format_capacity(caps, budget_gb: float, reserve_gb: float) -> str:
-    """Lines for launch/plan.py --largest-model."""
+    """Lines for launch/plan.py --largest-model: baseline and GRPO, then megatron-core's own
+    memory options (predictions) when searched, each with its ratio to the baseline."""
     lines = [f"largest model per rank under {budget_gb:g} GB ({reserve_gb:g} GB reserved for the "
              f"runtime), other settings as given:"]
-    for c in caps:
+    ours = [c for c in caps if c.which not in PEERS]
+    peers = [c for c in caps if c.which in PEERS]
+    base = next((c for c in caps if c.which == "baseline" and c.params), None)
+
+    def row(c, label: str, width: int) -> str:
         if not c.layers:
-            lines.append(f"  {c.which:9s} not even one layer fits (one layer: "
-                         f"{c.next_peak_bytes / 1e9:.2f} GB)")
-            continue
-        lines.append(f"  {c.which:9s} {c.layers:5d} layers  {c.params / 1e9:8.3f} B parameters  "
-                     f"peak {c.peak_bytes / 1e9:.2f} GB (one layer more: "
-                     f"{c.next_peak_bytes / 1e9:.2f} GB)")
-    if len(caps) == 2 and caps[0].params:
-        lines.append(f"  ratio     {caps[1].params / caps[0].params:.2f}x the baseline's parameters")
+            return (f"  {label:{width}s} not even one layer fits (one layer: "
+                    f"{c.next_peak_bytes / 1e9:.2f} GB)")
+        # Our rows keep their own ratio line below (the format users and tests read).
+        ratio = f", {c.params / base.params:.2f}x the baseline" if base and c.which in PEERS else ""
+        return (f"  {label:{width}s} {c.layers:5d} layers  {c.params / 1e9:8.3f} B parameters  "
+                f"peak {c.peak_bytes / 1e9:.2f} GB (one layer more: "
+                f"{c.next_peak_bytes / 1e9:.2f} GB){ratio}")
+
+    lines += [row(c, c.which, 9) for c in ours]
+    grpo = next((c for c in ours if c.which == "grpo"), None)
+    if base and grpo:
+        lines.append(f"  ratio     {grpo.params / base.params:.2f}x the baseline's parameters")
+    if peers:
+        lines.append("megatron-core's own memory options, predicted (formulas: "
+                     "megatron_grpo/planner/peers.py; not checked against a run):")
+        width = max(len(PEER_LABELS[c.which]) for c in peers)
+        lines += [row(c, PEER_LABELS[c.which], width) for c in peers]
     return "\n".join(lines)

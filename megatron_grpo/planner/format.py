@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from megatron_grpo.comm.analytic import fp32_accumulation_step_bytes
+
 GB = 10 ** 9
 
 
@@ -79,6 +81,12 @@ def format_plan(p, name: str = "") -> str:
               f"  GRPO:     {fmt(p.grpo_bytes)} (core {fmt(t.core)} + dynamic {fmt(t.dynamic)} + "
               f"stable {fmt(t.stable_update)}/{t.stable_interval}), wire {p.grpo_wire_s * 1e3:.3g} ms, "
               f"ratio {p.ratio:.3f}; warm-up steps {fmt(p.grpo_warmup_bytes)}"]
+    if m.bf16 and c.dp > 1:
+        # megatron's best bf16 setting for bytes, which needs bf16 gradient buffers (GRPO refuses
+        # them): GRPO's saving is also stated against it (docs/grpo.md, "Known limits").
+        best = sum(fp32_accumulation_step_bytes(p.baseline_buckets, c.dp, m.param_bytes))
+        lines.append(f"  megatron with bf16 gradients (reduce_scatter_with_fp32_accumulation, "
+                     f"analytic): {fmt(best)}; GRPO ratio against it {p.grpo_bytes / best:.3f}")
     return "\n".join(lines)
 
 

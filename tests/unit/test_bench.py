@@ -353,3 +353,44 @@ def test_internode_suite_runs_four_ranks_as_two_nodes_and_reads_the_inter_node_b
     assert rows["grpo-hier"][2] == "0.150"  # 90 / 600 after warm-up
     assert rows["megatron-flat"][2] == "3.000"
     assert rows["grpo-periodic-core10"][2] == "0.015" and rows["grpo-source"][2] == "0.010"
+
+
+def test_comm_suite_sets_megatrons_bf16_reduce_scatter_and_gpu_shaped_bytes_beside_the_runs(
+        tmp_path, monkeypatch):
+    """The comm table with its runs faked: megatron's reduce_scatter_with_fp32_accumulation is
+    an analytic row (no loss, no step time), and every row's bytes with bf16 parameters stand
+    beside the counted fp32 ones, against megatron's best bf16 setting. tiny.yaml at dp 2: the
+    baseline's buckets and GRPO's 14 units both hold 908,032 padded elements."""
+    from megatron_grpo.bench import __main__ as cli
+
+    maps = {"grpo-int4": "cc" + "d" * 10 + "ss", "all-int4": "d" * 14}
+
+    def fake_run(self, name, c, extra=(), env=None):
+        tiered = "--grpo" in c.flags
+        recs = _records(40, lambda i: 3_632_128 if not tiered or i <= 30 else 800_000,
+                        tiered_from=31 if tiered else None, tier_map=maps.get(c.name, "d" * 14))
+        if c.name == "grpo-int4":  # re-tiered after 5 of the 10 steady iterations
+            for r in recs[35:]:
+                r["grpo_tier_map"] = "d" * 14
+        return recs
+
+    monkeypatch.setattr(runner.Runner, "run", fake_run)
+    monkeypatch.setattr(cli, "ensure_data", lambda path: None)
+    assert cli.main(["comm", "--out", str(tmp_path / "o")]) == 0
+    saved = json.loads((tmp_path / "o" / "comm" / "comm.json").read_text())
+    rows = {r[0]: r for r in saved["rows"]}
+    gpu = saved["header"].index("GPU-shaped (bf16) bytes/step")
+    # Baseline, bf16 parameters: fp32 reduce-scatter + bf16 all-gather, (dp-1)/dp of 908,032
+    # elements each: 1,816,064 + 908,032. megatron's bf16 reduce-scatter: 908,032 + 908,032.
+    assert rows["baseline"][gpu:gpu + 2] == ["2.724 MB", "1.500"]
+    peer = rows["megatron-bf16-rs (analytic, not run on CPU)"]
+    assert peer[gpu:gpu + 2] == ["1.816 MB", "1.000"]
+    assert peer[1:gpu] == ["-"] * (gpu - 1) and peer[gpu + 2:] == ["-"] * 4
+    # grpo-int4 (exact core), its first map: core 2 units of 115,072 elements x 3 bytes (4 + 2,
+    # halved by dp) = 345,216; dynamic int4 340,776 (no dtype in it); stable 132,096 x 3 every
+    # 10 steps: 725,620.8. Its second map, all int4: 468,232. Five iterations each.
+    assert rows["grpo-int4"][gpu:gpu + 2] == ["0.597 MB", f"{596_926.4 / 1_816_064:.3f}"]
+    assert rows["all-int4"][gpu:gpu + 2] == ["0.468 MB", "0.258"]
+    assert rows["grpo-powersgd"][gpu:gpu + 2] == ["-", "-"]  # the planner does not model it
+    assert saved["data"]["gpu_shaped_bytes"]["grpo-int4"]["fp32"] == (853_902.4 + 468_232) / 2
+    assert any("all-int4 0.468 MB (counted 0.800)" in n for n in saved["notes"])
