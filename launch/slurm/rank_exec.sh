@@ -14,7 +14,7 @@ base="$GRPO_LOG_DIR/rank-$(printf %05d "$rank").$host"
 exec > >(tee -a "$base.log") 2>&1
 echo "[rank $rank on $host] local rank ${LOCAL_RANK:-?} of node rank ${GROUP_RANK:-?}, world ${WORLD_SIZE:-?}, log $base.log"
 # The torchrun agent is this wrapper's parent. The training process watches it and stops without
-# saving if it dies (megatron_grpo/training/launcher_watch.py): this wrapper outlives the agent,
+# saving if it dies (megatron_grpo/training/safety/launcher_watch.py): this wrapper outlives the agent,
 # so the training process cannot tell from its own parent. Its start time tells a reused pid apart.
 GRPO_LAUNCHER_PID=$PPID GRPO_LAUNCHER_START=
 if [ -r "/proc/$PPID/stat" ]; then

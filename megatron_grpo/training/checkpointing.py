@@ -32,21 +32,17 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.platform.layout import parallel_layout
-from megatron_grpo.training import save_errors
 from megatron_grpo.training.model import optimizer_list, unwrap
+from megatron_grpo.training.safety import checkpoint_dirs, divergence, save_errors
+# A checkpoint directory's names and its manifest check live with the guards that read them
+# (safety/checkpoint_dirs.py): imported here for the writer and reader, and for callers that
+# import them from this module; neither module imports the other's.
+from megatron_grpo.training.safety.checkpoint_dirs import (MANIFEST, TRACKER, CheckpointError,  # noqa: F401
+                                                            crc32, files_under, iteration_dir,
+                                                            verify_checkpoint)
 
-TRACKER = "latest_checkpointed_iteration.txt"
-MANIFEST = "megatron_grpo_manifest.json"
 SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
 FORMAT_VERSION = 1
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used; the message names the file and what to do."""
-
-
-def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
 
 
 def _atomic_write_text(path: str, text: str) -> None:
@@ -56,23 +52,6 @@ def _atomic_write_text(path: str, text: str) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
-
-
-def _crc32(path: str) -> int:
-    crc = 0
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            crc = zlib.crc32(block, crc)
-    return crc
-
-
-def _files_under(root: str) -> List[str]:
-    out = []
-    for base, _, files in os.walk(root):
-        for name in files:
-            if name != MANIFEST:
-                out.append(os.path.relpath(os.path.join(base, name), root))
-    return sorted(out)
 
 
 def _rng_state() -> Dict:
@@ -257,12 +236,9 @@ def save_checkpoint(root: str, iteration: int, built, common: Dict, rank_extra: 
     existing verified iter_N unless ``overwrite`` (--overwrite-checkpoints)."""
     from torch.distributed.checkpoint import CheckpointException
 
-    from megatron_grpo.training.checkpoint_dirs import check_no_replace
-    from megatron_grpo.training.divergence import nonfinite_weights_problem
-
-    check_no_replace(root, range(iteration, iteration + 1), overwrite)
+    checkpoint_dirs.check_no_replace(root, range(iteration, iteration + 1), overwrite)
     # Before anything is written: the previous checkpoint must stay the newest one.
-    problem = nonfinite_weights_problem(root, iteration, built)
+    problem = divergence.nonfinite_weights_problem(root, iteration, built)
     if problem is not None:
         raise CheckpointError(problem)
     try:
@@ -323,8 +299,8 @@ def write_tracker(root: str, iteration: int) -> None:
 def write_manifest(ckpt_dir: str, iteration: int, world_size: int, layout, record: Optional[Dict]) -> None:
     """Size and CRC32 of every file under ``ckpt_dir`` (written last, atomically), with the
     iteration, the writer's world size and TP x PP layout, and the model record."""
-    files = {f: {"size": os.path.getsize(os.path.join(ckpt_dir, f)), "crc32": _crc32(os.path.join(ckpt_dir, f))}
-             for f in _files_under(ckpt_dir)}
+    files = {f: {"size": os.path.getsize(os.path.join(ckpt_dir, f)), "crc32": crc32(os.path.join(ckpt_dir, f))}
+             for f in files_under(ckpt_dir)}
     manifest = {"iteration": iteration, "world_size": world_size, "files": files,
                 "format_version": FORMAT_VERSION, "layout": list(layout)}
     if record is not None:
@@ -343,57 +319,6 @@ def latest_iteration(root: str) -> int:
         raise CheckpointError(f"--load {root}: {tracker} holds {text!r}, not an iteration number "
                               f"(rank {_rank()}); write the iteration of a complete iter_* directory into it.")
     return int(text)
-
-
-def verify_checkpoint(ckpt_dir: str) -> Dict:
-    """Check every file listed in the manifest (size and CRC32). Returns the manifest."""
-    manifest_path = os.path.join(ckpt_dir, MANIFEST)
-    if not os.path.isfile(manifest_path):
-        raise CheckpointError(f"{manifest_path} is missing (rank {_rank()}): the checkpoint is "
-                              f"incomplete. Load an earlier iter_* directory by writing its iteration "
-                              f"into {TRACKER}.")
-    try:
-        manifest = json.load(open(manifest_path))
-    except ValueError as exc:
-        raise CheckpointError(f"{manifest_path} is not valid JSON (rank {_rank()}): {exc}") from None
-    problem = _manifest_shape_problem(manifest)
-    if problem:
-        raise CheckpointError(f"{manifest_path} is not a checkpoint manifest (rank {_rank()}): "
-                              f"{problem}. The checkpoint is damaged: load an earlier iter_* directory "
-                              f"by writing its iteration into {TRACKER}.")
-    for name, info in manifest["files"].items():
-        path = os.path.join(ckpt_dir, name)
-        if not os.path.isfile(path):
-            raise CheckpointError(f"checkpoint file {path} is missing (rank {_rank()}); the "
-                                  f"checkpoint is damaged, load an earlier one.")
-        if os.path.getsize(path) != info["size"] or _crc32(path) != info["crc32"]:
-            raise CheckpointError(f"checkpoint file {path} is corrupted (size/CRC32 differ from "
-                                  f"{MANIFEST}; rank {_rank()}); load an earlier checkpoint.")
-    return manifest
-
-
-def _manifest_shape_problem(manifest) -> Optional[str]:
-    """What is wrong with the shape save_checkpoint writes (an object with an integer
-    ``iteration`` and ``files``: name -> {size, crc32} integers), or None."""
-    def text(value) -> str:
-        shown = json.dumps(value)
-        return shown if len(shown) <= 80 else shown[:77] + "..."
-
-    if not isinstance(manifest, dict):
-        return f"expected a JSON object, got {text(manifest)}"
-    missing = [f"'{key}'" for key in ("iteration", "files") if key not in manifest]
-    if missing:
-        has = ", ".join(f"'{k}'" for k in sorted(manifest)) or "none"
-        return f"no {' and no '.join(missing)} key (keys found: {has})"
-    if not isinstance(manifest["iteration"], int):
-        return f"'iteration' is {text(manifest['iteration'])}, not an integer"
-    if not isinstance(manifest["files"], dict):
-        return f"'files' is {text(manifest['files'])}, not an object of file name -> size and crc32"
-    for name, info in manifest["files"].items():
-        if not (isinstance(info, dict) and isinstance(info.get("size"), int)
-                and isinstance(info.get("crc32"), int)):
-            return f"the entry of {name!r} is {text(info)}, not {{\"size\": int, \"crc32\": int}}"
-    return None
 
 
 def _prefill_optimizer_state(built) -> None:

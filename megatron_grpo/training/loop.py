@@ -25,9 +25,10 @@ from megatron_grpo.comm.wire import wire_counter
 from megatron_grpo.hooks import RunHooks
 from megatron_grpo.training.metrics import MetricsLogger, peak_rss_bytes, step_peak_rss_bytes
 from megatron_grpo.platform import select_platform
-from megatron_grpo.training import checkpoint_dirs, checkpointing, launcher_watch, resume_flags, save_lock
+from megatron_grpo.training import checkpointing, resume_flags
+from megatron_grpo.training.safety import checkpoint_dirs, launcher_watch, save_lock
 from megatron_grpo.training.config import PretrainConfig
-from megatron_grpo.training.divergence import DivergenceGuard, TrainingDiverged
+from megatron_grpo.training.safety.divergence import DivergenceGuard, TrainingDiverged
 from megatron_grpo.training.memory_budget import current_base_bytes
 from megatron_grpo.training.model import (build_model, data_parallel_info, init_distributed,
                                           is_metrics_rank, model_parallel_init, optional_device_peak)

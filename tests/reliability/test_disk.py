@@ -18,7 +18,7 @@ from harness import losses, read_metrics
 from reliability_harness import (REF_ITERS, REF_SAVE_INTERVAL, rank_errors, run_job, start_job,
                                  torchrun_failure, tree_digest)
 from megatron_grpo.training import checkpointing
-from megatron_grpo.training.save_lock import LOCK_NAME
+from megatron_grpo.training.safety.save_lock import LOCK_NAME
 
 pytestmark = pytest.mark.reliability_slow
 

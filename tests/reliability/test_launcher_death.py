@@ -18,7 +18,8 @@ import pytest
 
 from harness import ENTRY, REPO, SMALL_MODEL, env, free_port
 from reliability_harness import JOB_ENV, job_processes, kill_job
-from megatron_grpo.training import checkpoint_dirs, checkpointing
+from megatron_grpo.training import checkpointing
+from megatron_grpo.training.safety import checkpoint_dirs
 
 GROUP = "kill -9 of the launcher"
 BOUND_S = 20  # from the agent's death to the last rank process gone (the watch polls every second)

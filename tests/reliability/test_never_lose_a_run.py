@@ -29,7 +29,7 @@ from reliability_harness import (REF_ITERS, REF_SAVE_INTERVAL, base_args, first_
                                  run_to_end, start_job, torchrun_failure, tree_digest)
 from megatron_grpo.training.metrics_log import read_entries, read_logged, read_metrics
 from megatron_grpo.training import checkpointing
-from megatron_grpo.training.save_lock import LOCK_NAME
+from megatron_grpo.training.safety.save_lock import LOCK_NAME
 
 pytestmark = pytest.mark.reliability_slow
 
@@ -75,7 +75,7 @@ def test_lost_tracker_resumes_from_the_newest_verified_checkpoint(reference, tmp
     ckpt = _copy(reference, tmp_path, drop=(16,))
     (ckpt / TRACKER).unlink()
     lock = ckpt / LOCK_NAME
-    dead = subprocess.run([sys.executable, "-c", "import os, sys; from megatron_grpo.training.save_lock "
+    dead = subprocess.run([sys.executable, "-c", "import os, sys; from megatron_grpo.training.safety.save_lock "
                            "import SaveLock; SaveLock(sys.argv[1]).acquire(); print(os.getpid()); os._exit(0)",
                            str(ckpt)], cwd=REPO, capture_output=True, text=True, check=True)
     assert lock.exists()

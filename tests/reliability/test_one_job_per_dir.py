@@ -11,7 +11,7 @@ import socket
 from harness import SMALL_MODEL
 from reliability_harness import rank_errors, run_job, torchrun_failure, tree_digest
 from megatron_grpo.training import checkpointing
-from megatron_grpo.training.save_lock import LOCK_NAME, SaveLock
+from megatron_grpo.training.safety.save_lock import LOCK_NAME, SaveLock
 
 GROUP = "One job per checkpoint directory"
 

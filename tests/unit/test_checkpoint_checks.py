@@ -70,8 +70,8 @@ def test_another_instance_count_is_refused_on_load_with_the_way_out():
 
 # -- which checkpoint --load resumes from; what a save may replace (issue 30 item 1) ---------------
 
-from megatron_grpo.training import checkpoint_dirs  # noqa: E402
-from megatron_grpo.training.checkpoint_dirs import USE_TRACKER, replace_problem, resume_decision, run_saves  # noqa: E402
+from megatron_grpo.training.safety import checkpoint_dirs  # noqa: E402
+from megatron_grpo.training.safety.checkpoint_dirs import USE_TRACKER, replace_problem, resume_decision, run_saves  # noqa: E402
 from megatron_grpo.training.checkpointing import write_manifest  # noqa: E402
 
 

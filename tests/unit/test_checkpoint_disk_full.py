@@ -25,7 +25,7 @@ def _fill(disk):
 def _saving_with(monkeypatch, write):
     """save_checkpoint with its writer replaced by ``write(root, iteration)`` (no model needed:
     the weights check is skipped, the directory check runs)."""
-    from megatron_grpo.training import divergence
+    from megatron_grpo.training.safety import divergence
 
     monkeypatch.setattr(divergence, "nonfinite_weights_problem", lambda root, iteration, built: None)
     monkeypatch.setattr(checkpointing, "_save_checkpoint",
@@ -52,7 +52,7 @@ def test_torch_save_on_a_full_disk_says_no_space_left(tmp_path, tmpfs, gloo_grou
                      rf"{re.escape(root)}: (\d+) bytes free after the failure; RuntimeError: \[enforce fail "
                      rf"at inline_container.cc:\d+\] . unexpected pos \d+ vs \d+\). {re.escape(TAIL)}", said)
     assert m is not None, said
-    from megatron_grpo.training import save_errors
+    from megatron_grpo.training.safety import save_errors
 
     assert int(m.group(1)) < save_errors.FULL_BELOW_BYTES
 
@@ -86,7 +86,7 @@ def test_a_zip_writer_failure_with_room_left_is_not_called_a_full_disk(tmp_path,
     _saving_with(monkeypatch, write)
     with pytest.raises(CheckpointError) as err:
         checkpointing.save_checkpoint(root, 8, None, {})
-    from megatron_grpo.training import save_errors
+    from megatron_grpo.training.safety import save_errors
 
     free = save_errors.free_bytes(root)
     assert free >= save_errors.FULL_BELOW_BYTES  # this test's premise: tmp has room

@@ -1,4 +1,4 @@
-"""The divergence guard's decisions (megatron_grpo.training.divergence) on one gloo rank; the
+"""The divergence guard's decisions (megatron_grpo.training.safety.divergence) on one gloo rank; the
 2-rank runs that stop are tests/reliability/test_nonfinite.py."""
 
 import math
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_grpo.training.arguments import ConfigError, parse_args
-from megatron_grpo.training.divergence import DivergenceGuard, nonfinite_weights_problem
+from megatron_grpo.training.safety.divergence import DivergenceGuard, nonfinite_weights_problem
 from megatron_grpo.training.step import StepResult
 
 

@@ -19,9 +19,10 @@ ALLOWED = {  # part of the package -> the other parts it may import
     "grpo.controller": ("grpo", "comm", "offload"),
     "planner": ("grpo", "comm", "offload"),
     "megatron": BASE + ("grpo", "comm", "offload", "grpo.controller", "planner"),
-    "training": BASE + ("grpo", "comm", "offload", "planner"),
-    "convert": BASE + ("grpo", "comm", "planner", "training"),
-    "bench": BASE + ("grpo", "comm", "offload", "planner", "training"),
+    "training.safety": BASE,  # what keeps a run safe: below the run, it imports none of it
+    "training": BASE + ("grpo", "comm", "offload", "planner", "training.safety"),
+    "convert": BASE + ("grpo", "comm", "planner", "training", "training.safety"),
+    "bench": BASE + ("grpo", "comm", "offload", "planner", "training", "training.safety"),
 }
 OUTSIDE = ("tests", "harness", "launch", "tools")  # modules and paths the package never uses
 
@@ -54,6 +55,8 @@ def part_of(module: str) -> str:
         return ""
     if parts[1] == "grpo" and len(parts) > 2 and parts[2] == "controller":
         return "grpo.controller"
+    if parts[1] == "training" and len(parts) > 2 and parts[2] == "safety":
+        return "training.safety"
     return parts[1]
 
 
@@ -81,7 +84,7 @@ def test_every_part_of_the_package_has_a_rule():
     pkg = os.path.join(REPO, "megatron_grpo")
     names = {n[:-3] if n.endswith(".py") else n for n in os.listdir(pkg)
              if not n.startswith(("__", ".")) and (n.endswith(".py") or os.path.isdir(os.path.join(pkg, n)))}
-    assert names | {"grpo.controller"} == set(ALLOWED)
+    assert names | {"grpo.controller", "training.safety"} == set(ALLOWED)
 
 
 def test_no_import_runs_back_up_the_flow():
@@ -90,12 +93,13 @@ def test_no_import_runs_back_up_the_flow():
 
 def test_the_check_finds_each_kind_of_arrow(tmp_path):
     pkg = tmp_path / "megatron_grpo"
-    for sub in ("training", "megatron", "comm"):
+    for sub in ("training", "training/safety", "megatron", "comm"):
         (pkg / sub).mkdir(parents=True)
         (pkg / sub / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text("")
     (pkg / "training" / "loop.py").write_text("def f():\n    from megatron_grpo.megatron import grpo_hooks\n")
     (pkg / "megatron" / "glue.py").write_text("from ..training import loop\n")
+    (pkg / "training" / "safety" / "guard.py").write_text("from megatron_grpo.training import loop\n")
     (pkg / "comm" / "x.py").write_text(
         "import importlib.util, os\nimport harness\n"
         "spec = importlib.util.spec_from_file_location('p', os.path.join('r', 'launch', 'plan.py'))\n")
@@ -105,4 +109,6 @@ def test_the_check_finds_each_kind_of_arrow(tmp_path):
         "megatron_grpo.comm.x:3 uses launch",
         "megatron_grpo.megatron.glue:1 imports megatron_grpo.training (megatron must not import training)",
         "megatron_grpo.training.loop:2 imports megatron_grpo.megatron (training must not import megatron)",
+        "megatron_grpo.training.safety.guard:1 imports megatron_grpo.training (training.safety must "
+        "not import training)",
     ]

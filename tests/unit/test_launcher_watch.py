@@ -1,4 +1,4 @@
-"""A rank's watch on its launcher (megatron_grpo/training/launcher_watch.py): when the launcher
+"""A rank's watch on its launcher (megatron_grpo/training/safety/launcher_watch.py): when the launcher
 counts as gone, and that the process then exits with LAUNCHER_GONE_EXIT, saying why, without
 running its SIGTERM handler or any finally block."""
 
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from megatron_grpo.training.launcher_watch import (LAUNCHER_GONE_EXIT, PID_ENV, START_ENV, LauncherWatch,
+from megatron_grpo.training.safety.launcher_watch import (LAUNCHER_GONE_EXIT, PID_ENV, START_ENV, LauncherWatch,
                                                    from_environment, start_ticks)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -57,7 +57,7 @@ def test_which_launcher_is_watched():
 CHILD = textwrap.dedent("""
     import signal, sys, time
     sys.path.insert(0, {repo!r})
-    from megatron_grpo.training.launcher_watch import from_environment
+    from megatron_grpo.training.safety.launcher_watch import from_environment
     signal.signal(signal.SIGTERM, lambda *a: print("SIGTERM handler ran (it would save)", flush=True))
     watch = from_environment("/ckpt")
     watch.poll_s = 0.1

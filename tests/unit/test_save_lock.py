@@ -1,4 +1,4 @@
-"""The --save lock (megatron_grpo/training/save_lock.py): who may take over a lock, and what the
+"""The --save lock (megatron_grpo/training/safety/save_lock.py): who may take over a lock, and what the
 refusal says. The owners are real processes of this host (alive, exited, zombie, a reused pid)
 or lock files written as another host's job would write them."""
 
@@ -12,8 +12,8 @@ from dataclasses import asdict, replace
 
 import pytest
 
-from megatron_grpo.training import save_lock
-from megatron_grpo.training.save_lock import (LOCK_NAME, STALE_AFTER_S, Owner, SaveLock, SaveLockError,
+from megatron_grpo.training.safety import save_lock
+from megatron_grpo.training.safety.save_lock import (LOCK_NAME, STALE_AFTER_S, Owner, SaveLock, SaveLockError,
                                               process_state, this_process)
 
 OTHER_NS = "pid:[4026532999]"

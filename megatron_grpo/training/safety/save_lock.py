@@ -63,8 +63,8 @@ from typing import Optional, Tuple
 
 import torch.distributed as dist
 
-from megatron_grpo.training.checkpointing import CheckpointError
-from megatron_grpo.training.launcher_watch import process_state
+from megatron_grpo.training.safety.checkpoint_dirs import CheckpointError
+from megatron_grpo.training.safety.launcher_watch import process_state
 
 LOCK_NAME = ".megatron_grpo_save.lock"
 HEARTBEAT_S = 30.0

@@ -13,6 +13,10 @@ from scratch, or from the older iteration, and its saves then replaced the newer
   given --overwrite-checkpoints. Checked at start for every iteration the run may save (before
   training, not at its first save) and again at each save.
 
+This module also owns the names and the check that say what a checkpoint directory is (the
+tracker, the manifest, ``iter_N``, ``verify_checkpoint``): the writer and reader
+(training/checkpointing.py) import them from here, so neither module imports the other.
+
 Rank 0 reads the directory and broadcasts what it found: ranks on other nodes may see a
 shared filesystem with some delay, and ranks that decided differently would load different
 checkpoints or leave some of them waiting in a collective.
@@ -20,14 +24,98 @@ checkpoints or leave some of them waiting in a collective.
 
 from __future__ import annotations
 
+import json
 import os
 import re
-from typing import List, Optional, Tuple
+import zlib
+from typing import Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
-from megatron_grpo.training.checkpointing import (TRACKER, CheckpointError, iteration_dir,
-                                                  verify_checkpoint)
+TRACKER = "latest_checkpointed_iteration.txt"
+MANIFEST = "megatron_grpo_manifest.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used; the message names the file and what to do."""
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def files_under(root: str) -> List[str]:
+    out = []
+    for base, _, files in os.walk(root):
+        for name in files:
+            if name != MANIFEST:
+                out.append(os.path.relpath(os.path.join(base, name), root))
+    return sorted(out)
+
+
+def verify_checkpoint(ckpt_dir: str) -> Dict:
+    """Check every file listed in the manifest (size and CRC32). Returns the manifest."""
+    manifest_path = os.path.join(ckpt_dir, MANIFEST)
+    if not os.path.isfile(manifest_path):
+        raise CheckpointError(f"{manifest_path} is missing (rank {_rank()}): the checkpoint is "
+                              f"incomplete. Load an earlier iter_* directory by writing its iteration "
+                              f"into {TRACKER}.")
+    try:
+        manifest = json.load(open(manifest_path))
+    except ValueError as exc:
+        raise CheckpointError(f"{manifest_path} is not valid JSON (rank {_rank()}): {exc}") from None
+    problem = _manifest_shape_problem(manifest)
+    if problem:
+        raise CheckpointError(f"{manifest_path} is not a checkpoint manifest (rank {_rank()}): "
+                              f"{problem}. The checkpoint is damaged: load an earlier iter_* directory "
+                              f"by writing its iteration into {TRACKER}.")
+    for name, info in manifest["files"].items():
+        path = os.path.join(ckpt_dir, name)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"checkpoint file {path} is missing (rank {_rank()}); the "
+                                  f"checkpoint is damaged, load an earlier one.")
+        if os.path.getsize(path) != info["size"] or crc32(path) != info["crc32"]:
+            raise CheckpointError(f"checkpoint file {path} is corrupted (size/CRC32 differ from "
+                                  f"{MANIFEST}; rank {_rank()}); load an earlier checkpoint.")
+    return manifest
+
+
+def _manifest_shape_problem(manifest) -> Optional[str]:
+    """What is wrong with the shape save_checkpoint writes (an object with an integer
+    ``iteration`` and ``files``: name -> {size, crc32} integers), or None."""
+    def text(value) -> str:
+        shown = json.dumps(value)
+        return shown if len(shown) <= 80 else shown[:77] + "..."
+
+    if not isinstance(manifest, dict):
+        return f"expected a JSON object, got {text(manifest)}"
+    missing = [f"'{key}'" for key in ("iteration", "files") if key not in manifest]
+    if missing:
+        has = ", ".join(f"'{k}'" for k in sorted(manifest)) or "none"
+        return f"no {' and no '.join(missing)} key (keys found: {has})"
+    if not isinstance(manifest["iteration"], int):
+        return f"'iteration' is {text(manifest['iteration'])}, not an integer"
+    if not isinstance(manifest["files"], dict):
+        return f"'files' is {text(manifest['files'])}, not an object of file name -> size and crc32"
+    for name, info in manifest["files"].items():
+        if not (isinstance(info, dict) and isinstance(info.get("size"), int)
+                and isinstance(info.get("crc32"), int)):
+            return f"the entry of {name!r} is {text(info)}, not {{\"size\": int, \"crc32\": int}}"
+    return None
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 
 USE_TRACKER = "tracker"
 """``resume_decision``: load what the tracker names (load_checkpoint reports any problem)."""

@@ -28,7 +28,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-TRACKER = "latest_checkpointed_iteration.txt"  # checkpointing.TRACKER (it imports this module)
+from megatron_grpo.training.safety.checkpoint_dirs import TRACKER
 
 
 class TrainingDiverged(ValueError):
