@@ -7,11 +7,18 @@ memory tier has moved what it moves), per step: the whole-run peak also holds th
 every unit is core and all state is resident. All runs get glibc's mmap threshold fixed at 1 MiB
 (``MALLOC_MMAP_THRESHOLD_``): large host allocations are then mapped and unmapped, so memory a
 run frees shows as freed; the default dynamic threshold keeps freed blocks in the heap.
+
+Every run saves a checkpoint after iteration ``SAVE_AT`` (and after its last, as any run with
+--save does). The loop reads a step's peak before its save, so the save's peak is in the next
+iteration's record: that record is the "step after a save" column and stays out of the steady
+window. The checkpoints are scratch, deleted when the suite has run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import shutil
 
 from megatron_grpo.bench import figures as F
 from megatron_grpo.bench import plots
@@ -21,6 +28,7 @@ from megatron_grpo.bench.suite import SuiteResult
 
 DEFAULT_CONFIG = os.path.join(CONFIGS, "mem100m.yaml")
 ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+SAVE_AT = 12  # a steady iteration of mem100m.yaml (tiered from 5, stable updates at 8, 12, 16)
 
 
 def _cuda() -> bool:
@@ -36,7 +44,21 @@ def offload_dir(out: str) -> str:
     return path
 
 
+def checkpoint_root(out: str) -> str:
+    """Where the contenders' scratch checkpoints go (one folder each; deleted after the suite)."""
+    return os.path.join(os.path.abspath(out), "memory", "ckpt")
+
+
+def _saving(out: str, name: str, flags):
+    return [*flags, "--save", os.path.join(checkpoint_root(out), name),
+            "--save-interval", str(SAVE_AT), "--overwrite-checkpoints"]
+
+
 def contenders(out: str):
+    return [dataclasses.replace(c, flags=_saving(out, c.name, c.flags)) for c in _contenders(out)]
+
+
+def _contenders(out: str):
     cuda = _cuda()
     return [
         Contender("baseline", [], "megatron-core, all state on the training device"),
@@ -62,23 +84,30 @@ def contenders(out: str):
 def run(args, command: str) -> SuiteResult:
     cands = contenders(args.out)
     runnable = [c for c in cands if not c.skip]
-    spec, records, _, _, steady_from, load = run_all("memory", args, DEFAULT_CONFIG, runnable, ENV)
+    try:
+        spec, records, _, _, steady_from, load = run_all("memory", args, DEFAULT_CONFIG, runnable, ENV)
+    finally:
+        shutil.rmtree(checkpoint_root(args.out), ignore_errors=True)
     # The tiering step itself moves the state out (it starts with all of it resident): the
     # window starts after it, when the memory tier has moved what it moves.
     settled_from = steady_from + 1
-    summaries = {n: F.summarize(r, settled_from) for n, r in records.items()}
+    summaries = {n: F.summarize(_without_save(r), settled_from) for n, r in records.items()}
     cmp = {n: F.compare(summaries[n], summaries["baseline"]) for n in summaries}
     res = SuiteResult("memory", "Memory by location: baseline, GRPO and its memory tier", command,
                       ["contender", "steady peak RSS MB", "ratio", "whole-run peak RSS MB",
+                       f"peak RSS MB, step after the save at {SAVE_AT}",
                        "steady peak device MB", "gradient peak MB (of whole buffer)",
                        "state away MB", "moved MB/step",
                        "copy time hidden", "steady step time ratio", "val loss"])
     rows = {}
-    for c in runnable:
+    for c in [c for c in runnable if c.name in records]:  # --contenders runs a subset
         s, k = summaries[c.name], cmp[c.name]
         off = s.get("offload") or {}
+        saved = save_step_peak_mb(records[c.name])
         res.rows.append([c.name, F.fmt(s.get("steady_peak_rss_mb"), ".0f"),
                          F.fmt(k["steady_peak_rss_ratio"], ".3f"), f"{s['peak_rss_mb']:.0f}",
+                         F.fmt(saved, ".0f") + (f" ({saved / s['steady_peak_rss_mb']:.2f}×)"
+                                                if saved and s.get("steady_peak_rss_mb") else ""),
                          F.fmt(s.get("steady_peak_device_mb"), ".0f"),
                          (f"{s['steady_grad_peak_mb']:.0f} ({s['grad_whole_buffer_mb']:.0f})"
                           if s.get("steady_grad_peak_mb") is not None else "whole buffer"),
@@ -105,6 +134,10 @@ def run(args, command: str) -> SuiteResult:
                      f"(freed host memory returns to the OS)")
     res.notes.append("copy time hidden: share of the offload copies' busy time the step did not "
                      "wait for (1 - stall / busy)")
+    res.notes.append(f"step after the save: iteration {SAVE_AT + 1}'s peak, which holds the "
+                     f"checkpoint save after iteration {SAVE_AT} (the loop reads a step's peak "
+                     f"before its save), in brackets against the contender's steady peak; that "
+                     f"record is left out of the steady window; the whole-run peak holds it")
     res.notes.append(load)
     res.data = {"summaries": summaries, "compare": cmp}
     res.plots["memory by location"] = plots.memory_by_location(
@@ -120,6 +153,18 @@ def run(args, command: str) -> SuiteResult:
             res.notes.append(f"{n}: device MB by kind / tier: " + ", ".join(
                 f"{k} {v:.1f}" for k, v in sorted(kinds.items())))
     return res
+
+
+def _without_save(records):
+    """The records less the one that holds the save's peak (the steady figures are a step's)."""
+    return [r for r in records if r["iteration"] != SAVE_AT + 1]
+
+
+def save_step_peak_mb(records):
+    """The peak resident set of the step after the save at SAVE_AT, the save included (MB);
+    None when the run had no such step (--train-iters below SAVE_AT + 1)."""
+    rec = next((r for r in records if r["iteration"] == SAVE_AT + 1), None)
+    return rec["step_peak_rss_bytes"] / 2**20 if rec and "step_peak_rss_bytes" in rec else None
 
 
 def _planner_check(spec, records, summaries) -> list:

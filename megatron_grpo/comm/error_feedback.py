@@ -453,11 +453,18 @@ class ErrorFeedback:
 
     def state_dict(self) -> Dict:
         """Residuals copied to the CPU as stored (int8: payload bytes, numel and chunk), for
-        checkpoints (taken between steps: nothing staged)."""
+        checkpoints (taken between steps: nothing staged). An offloading store's residuals are
+        read back one at a time and released once copied (its file still holds each), so a save
+        leaves none resident: kept, they stayed on the device until the next backward."""
         if self._staged:
             raise RuntimeError("ErrorFeedback.state_dict: a step is staged (commit or discard first)")
-        return {"dtype": self.dtype,
-                "residuals": {k: _to_state(r) for k, r in self._residuals.items()}}
+        release = getattr(self._residuals, "release", None)
+        residuals = {}
+        for key in self.keys():
+            residuals[key] = _to_state(self._residuals.get(key))  # a copy on the CPU
+            if release is not None:
+                release(key)
+        return {"dtype": self.dtype, "residuals": residuals}
 
     def load_state_dict(self, state: Dict) -> None:
         """Replace all residuals; they stay on the CPU until the next ``owed`` moves them. Saved

@@ -127,9 +127,9 @@ def grpo_hooks(cfg):
 
     def before_save():
         if state["placement"] is not None:
-            # Nothing comes back to the device: the optimizer's state dict reads away state from
-            # the store into host memory (GRPODistributedOptimizer._get_main_param_and_optimizer
-            # _states). Bringing it all back made every save the run's peak.
+            # Nothing comes back to the device: the optimizer's state dict reads away state
+            # from the store into host memory (optimizer.py, _get_main_param_and_optimizer_states).
+            # Bringing it all back made every save the run's peak.
             state["placement"].prepare_save()
 
     def finish():

@@ -18,6 +18,8 @@ thin overrides:
 * ``state_dict``: skipped params make torch Adam's per-param ``step`` counters differ, and
   megatron asserts a single one; the checkpoint stores the largest (the optimizer's iteration)
   and GRPO's rank state keeps the exact per-param counters (``param_steps``).
+* ``_get_main_param_and_optimizer_states`` (what every save format reads): state the memory tier
+  holds away is read from its store into host memory, never brought back to the device.
 
 With fp32 parameters megatron's main params are views of the model params; GRPO gives them
 their own storage (as bf16 training already has) so the owner's exact master and every rank's
@@ -324,6 +326,19 @@ class GRPODistributedOptimizer(DistributedOptimizer):
     def state_dict(self):
         with self._uniform_steps():
             return super().state_dict()
+
+    # -- replaces DistributedOptimizer._get_main_param_and_optimizer_states (the save's reads) ---
+    def _get_main_param_and_optimizer_states(self, model_param):
+        """megatron's {"param": master shard, "exp_avg": ..., ...} of ``model_param``, each
+        tensor the memory tier holds away replaced by a host copy of its bytes read from the
+        store (TierPlacement.saved_tensor), so a checkpoint brings no state back to the device.
+        megatron only references these tensors here (the precision-aware optimizer, which would
+        unscale them, is refused: options.py); every save format reads through this method."""
+        tensors = super()._get_main_param_and_optimizer_states(model_param)
+        if self.placement is None:
+            return tensors
+        return {k: self.placement.saved_tensor(v) if torch.is_tensor(v) else v
+                for k, v in tensors.items()}
 
     def param_steps(self) -> List[float]:
         """Per-param Adam step counters in inner-optimizer order (rank-local)."""

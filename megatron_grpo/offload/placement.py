@@ -22,8 +22,14 @@ bytes (the tensor keeps its shape and identity, so the optimizer and megatron
 still hold the same objects); prefetching allocates it again and copies the bytes back, bit for
 bit. Torch does not check a kernel's reads against a zero-byte storage, so reading an evicted
 tensor is undefined (it can crash): everything that reads this state goes through ``ensure()``
-(the optimizer step) or ``resident_all()`` (checkpoint saving, the end of the run), and the
-tests compare runs with and without offload bit for bit.
+and ``stream()`` (the optimizer step), ``saved_tensor()`` (checkpoint saving) or
+``resident_all()``, and the tests compare runs with and without offload bit for bit.
+
+A checkpoint brings nothing back to the device: ``prepare_save()`` lets the moves in flight
+land, and the optimizer's state dict takes each away tensor's bytes straight from the store
+into host memory (``saved_tensor``; a map of the SSD file where the chunks lie in order, so
+they become page cache only as the writer reads them). Bringing every unit back for the save
+held all state at once, the run's peak exactly when it checkpointed.
 
 This module knows nothing of megatron: the glue (megatron_grpo.megatron.offload) hands it, per
 unit, the (name, tensor) pairs to place, and says which units the next steps need.
@@ -244,11 +250,39 @@ class TierPlacement:
         self.stall_s += time.perf_counter() - start
 
     def resident_all(self) -> None:
-        """Bring everything back (before a checkpoint is written, and at the end)."""
+        """Bring everything back (``close(restore=True)``; a checkpoint does not need it:
+        ``prepare_save`` and ``saved_tensor``)."""
         for key, unit in self.units.items():
             self._fetch_if_away(key)
             self._timed_wait(unit)
         self.store.check()
+
+    # ---- checkpoints ---------------------------------------------------------------------
+    def prepare_save(self) -> None:
+        """Before a checkpoint is written: wait for every move in flight (raising a failed one),
+        free what finished evicting and mark what finished arriving, so each group is resident
+        or away. Nothing is brought back (``saved_tensor`` reads away state from the store)."""
+        self.store.wait_all()
+        self.settle()
+        for unit in self.units.values():
+            if unit.state == FETCHING:
+                self._wait(unit)  # landed already: no wait, only the bookkeeping
+
+    def saved_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What a checkpoint writes for ``tensor``: the tensor itself when it is not placed or
+        its group is resident; else a host tensor of the same dtype and shape with its bytes,
+        taken from the store without touching the device (``ChunkStore.host_bytes``: valid
+        until the next step moves the group). On CUDA the checkpoint needs host copies anyway
+        (megatron's writer copies device tensors to host memory before it writes), so away
+        state costs the device nothing and host memory no more than resident state does."""
+        known = self._known.get(id(tensor))  # placed tensors are alive: their ids are unique
+        if known is None:
+            return tensor
+        unit = self.units[known[0]]
+        if unit.state == RESIDENT:
+            return tensor
+        placed = next(t for t in unit.tensors if t.tensor is tensor)
+        return self.store.host_bytes(placed.ids).view(tensor.dtype).view(tensor.shape)
 
     def settle(self) -> None:
         """Free the storage of units whose eviction completed; raise a background error."""

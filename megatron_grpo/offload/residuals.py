@@ -75,7 +75,9 @@ class OffloadedResiduals:
             self._writes.clear()
         self.settle()
         if self._seen:
-            self._order, self._seen = self._seen, []
+            # A key read twice (a checkpoint read every residual after backward) keeps its
+            # first place.
+            self._order, self._seen = list(dict.fromkeys(self._seen)), []
         if prefetch:
             for key in self._order[:self.lookahead]:
                 self._fetch(key)
@@ -103,7 +105,10 @@ class OffloadedResiduals:
         if key in self._order:
             i = self._order.index(key)
             for nxt in self._order[i + 1:i + 1 + self.lookahead]:
-                self._fetch(nxt)
+                # Not one read already since the step began: it was used (and released), and a
+                # read-ahead of it would stay resident (a checkpoint reads in another order).
+                if nxt not in self._seen:
+                    self._fetch(nxt)
         return tensor
 
     def __getitem__(self, key: Hashable) -> Residual:
@@ -115,7 +120,13 @@ class OffloadedResiduals:
         """The residual was read and is not changed before ``commit`` writes a new one: drop
         its memory now; the file still holds it. On GPU the read (``ErrorFeedback.owed``'s add)
         may still be queued on the side stream: the caller has recorded that use
-        (comm/streams.py), so the allocator reuses the block only after it ran."""
+        (comm/streams.py), so the allocator reuses the block only after it ran.
+
+        A read ahead that nobody used (a skipped step: GradShards.expect reads gradient shards
+        ahead before the step is found non-finite) is waited for and dropped the same way;
+        left alone, it stayed resident through the next forward."""
+        if self._state.get(key) == FETCHING:
+            self._wait(key)  # stall time; read with keep, so the file copy stays current
         if self._state.get(key) != RESIDENT:
             return
         ids = self._ids[key]

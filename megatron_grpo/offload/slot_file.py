@@ -296,6 +296,17 @@ class SlotFile:
     def read(self, into: memoryview, offset: int) -> None:
         pread_all(self._io_fd, into, offset)
 
+    def map(self, offset: int, length: int) -> Optional[mmap.mmap]:
+        """A private map of ``length`` bytes from ``offset`` (ChunkStore.host_bytes: a checkpoint
+        reads away state through it, so the bytes reach host memory only as page cache, while
+        the writer reads them). Copy-on-write: a write to it never reaches the file. Through the
+        buffered descriptor; O_DIRECT writes invalidate the cached pages they cover, so reads
+        see what the store wrote. None when ``offset`` is not on a page-granularity boundary
+        (extents are 4096-aligned; a machine with larger pages reads instead)."""
+        if offset % mmap.ALLOCATIONGRANULARITY:
+            return None
+        return mmap.mmap(self._fd, length, access=mmap.ACCESS_COPY, offset=offset)
+
     def close(self, remove: bool = True) -> None:
         """Close the descriptors and (by default) delete the file: its content is scratch that
         no later run can use."""

@@ -25,13 +25,14 @@ copies of chunks in ``cpu`` come from a bounded pool of reused (pinned) buffers
 from __future__ import annotations
 
 import concurrent.futures as cf
+import mmap
 import threading
 import time
 import warnings
 import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -132,6 +133,7 @@ class ChunkStore:
         self._errors: List[BaseException] = []
         self._bytes = {d: 0 for d in DIRECTIONS}
         self._seconds = {d: 0.0 for d in DIRECTIONS}
+        self._checkpoint_reads = {"mapped": 0, "host": 0, "copied": 0}  # bytes, by host_bytes' way
         self._pool = cf.ThreadPoolExecutor(config.io_workers,
                                            thread_name_prefix=f"grpo-offload-r{rank}")
         self._closed = False
@@ -226,6 +228,74 @@ class ChunkStore:
                 "device", None, None, None, False
         if released is not None:
             self._host.give(released)
+
+    def host_bytes(self, ids: Sequence[int]) -> torch.Tensor:
+        """The bytes of ``ids`` (one registered tensor's chunks, in order) as a uint8 host
+        tensor, read where they are and never brought back to the device: what a checkpoint
+        writes for state that is away. Waits for these chunks' moves in flight. Three ways,
+        counted in ``stats()["checkpoint_reads"]``:
+
+        * ``mapped``: every chunk on ssd, in consecutive extents: a private map of the file,
+          checked against each chunk's crc32 (the pages the check touched are dropped again), so
+          the bytes enter memory only as page cache, when the checkpoint writer reads them;
+        * ``host``: one chunk in (unpinned) host memory: its host copy itself, no copy;
+        * ``copied``: otherwise (chunks spread over the file, several host copies, a chunk on
+          the device): a new host tensor that each chunk is read (checksum checked) or copied
+          into.
+
+        The result is valid until one of these chunks moves again (its host copy or extent may
+        be reused then): write it out before the next step."""
+        chunks = [self._chunk(i) for i in ids]
+        cf.wait([c.tail for c in chunks if c.tail is not None])
+        out = self._mapped(chunks) if chunks else None
+        if out is not None:
+            how = "mapped"
+        elif len(chunks) == 1 and chunks[0].location == "cpu" and not self.pinned:
+            # Pinned host copies (CUDA) are copied: the writer's sharded tensors require every
+            # piece of one tensor to agree on pinning, and the pieces beside it are not pinned.
+            out, how = chunks[0].host[:chunks[0].nbytes], "host"
+        else:
+            out, how = torch.empty(sum(c.nbytes for c in chunks), dtype=torch.uint8), "copied"
+            start = 0
+            for c in chunks:
+                dst = out[start:start + c.nbytes]
+                if c.location == "ssd":
+                    self._read(c, dst, None)  # checksum checked; counted as from_ssd
+                else:
+                    dst.copy_(c.host if c.location == "cpu" else c.view)
+                start += c.nbytes
+        with self._lock:
+            self._checkpoint_reads[how] += out.numel()
+        return out
+
+    def _mapped(self, chunks: List[_Chunk]) -> Optional[torch.Tensor]:
+        if self.file is None or any(c.location != "ssd" for c in chunks):
+            return None
+        first = chunks[0].offset
+        # A full chunk's extent is exactly chunk_bytes long (a multiple of 4096): consecutive
+        # extents hold the tensor's bytes in order, with no padding between them.
+        if any(c.offset != first + k * self.chunk_bytes for k, c in enumerate(chunks)):
+            return None
+        try:
+            mapping = self.file.map(first, sum(c.nbytes for c in chunks))
+        except OSError:  # a filesystem that cannot map its files: the copying read works anyway
+            return None
+        if mapping is None:
+            return None
+        view = memoryview(mapping)
+        try:
+            for k, c in enumerate(chunks):
+                start = k * self.chunk_bytes
+                if zlib.crc32(view[start:start + c.nbytes]) != c.crc:
+                    # Stale cached pages or bad data: the copying read checks again and raises
+                    # OffloadChecksumError if the file itself is bad.
+                    return None
+                # The check read these pages into this process: out again, so the resident set
+                # holds at most one chunk of them at a time (the writer maps them back in).
+                mapping.madvise(mmap.MADV_DONTNEED)
+        finally:
+            view.release()
+        return torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the map alive
 
     def wait_all(self, timeout: Optional[float] = None) -> None:
         """Wait for every move asked for so far, then raise the first unreported error."""
@@ -442,6 +512,7 @@ class ChunkStore:
                 "pending": len(self._pending),
                 "host_pool": self._host.stats(),
                 "copy_streams": len(self._copy_streams),
+                "checkpoint_reads": dict(self._checkpoint_reads),
             }
 
     def _chunk(self, chunk_id: int) -> _Chunk:

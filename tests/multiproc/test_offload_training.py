@@ -3,9 +3,12 @@ to SSD (or host memory) between its updates, the dynamic tier's Adam moments str
 optimizer step, and the run is bit-identical to the same run without offload; a resume with
 offload is exact, and a bad --grpo-offload-dir fails before step 1."""
 
+import glob
+import io
 import os
 
 import pytest
+import torch
 
 from harness import GRPO_SMALL, SMALL_MODEL, losses, read_metrics, run_training, train_and_read
 
@@ -24,7 +27,9 @@ def runs(stdlib_data, tmp_path_factory):
     ssd_dir.mkdir()
     ssd = [*base, "--grpo-offload", "ssd", "--grpo-offload-dir", str(ssd_dir), *OFFLOAD]
     out = dict(base=base, ssd_dir=ssd_dir, tmp=tmp)
-    out["plain"] = train_and_read(tmp, "plain", 2, base)
+    # Its checkpoint at 10 is compared with the "first" run's below.
+    out["plain"] = train_and_read(tmp, "plain", 2, [*base, "--save", str(tmp / "plain_ckpt"),
+                                                   "--save-interval", "10"])
     out["ssd"] = train_and_read(tmp, "ssd", 2, ssd)
     out["files_after"] = sorted(os.listdir(ssd_dir))
     # Interrupted after iteration 11 with a checkpoint at 10 (the stable state was on SSD then),
@@ -124,6 +129,68 @@ def test_resume_with_offload_is_exact(runs):
     resumed = every[len(first):]
     assert [r["iteration"] for r in resumed] == list(range(11, ITERS + 1))
     assert losses(resumed) == losses(runs["ssd"])[10:] == losses(runs["plain"])[10:]
+
+
+def _saved(ckpt_dir, out):
+    """Everything a checkpoint holds, as plain objects: the dist_checkpointing tensors and
+    objects (model, optimizer: masters, moments), common.pt less the run's flags, and each
+    rank's file (RNG, residuals, accumulators, importance, Adam steps).
+
+    megatron writes the gaps between parameters in an optimizer bucket from torch.empty
+    (uninitialised memory: they differ between any two runs), so they are zeroed here. It
+    starts every parameter on a multiple of 64 elements of its bucket, so a piece written at
+    an offset off that grid is such a gap (here: 32 of 96 elements after each 96-element one)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(ckpt_dir), str(out))
+    tensors = torch.load(out, weights_only=False)
+    gaps = 0
+    for key, meta in FileSystemReader(str(ckpt_dir)).read_metadata().state_dict_metadata.items():
+        if key.startswith("optimizer.") and hasattr(meta, "chunks"):
+            for chunk in meta.chunks:
+                start, size = chunk.offsets[0], chunk.sizes[0]
+                if start % 64:
+                    tensors[key][start:start + size] = 0
+                    gaps += size
+    common = torch.load(ckpt_dir / "common.pt", weights_only=False)
+    common["common"].pop("run_flags")  # --grpo-offload and its directory differ, as they should
+    ranks = [torch.load(f, weights_only=False)
+             for f in sorted(glob.glob(str(ckpt_dir / "rng" / "*.pt")))]
+    for rank in ranks:  # no run seeds Python's or NumPy's global RNG: each process draws its own
+        del rank["rng"]["python"], rank["rng"]["numpy"]
+    return tensors, common, ranks, gaps
+
+
+def _same(a, b, where="") -> None:
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), where
+        for k in a:
+            _same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}[{i}]")
+    elif isinstance(a, io.BytesIO):
+        assert a.getvalue() == b.getvalue(), where
+    else:
+        assert a == b, where
+
+
+def test_a_save_with_offload_writes_what_a_save_without_it_writes(runs):
+    # Iteration 10: the dynamic units' state on SSD (streamed), the stable units' between
+    # updates; the save reads it from the store (mapped or copied: 0.25 MB chunks) and brings
+    # none of it back to the device. Bit for bit the checkpoint of the run without the tier.
+    tmp = runs["tmp"]
+    plain = _saved(tmp / "plain_ckpt" / "iter_0000010", tmp / "plain10.pt")
+    ssd = _saved(tmp / "ckpt" / "iter_0000010", tmp / "ssd10.pt")
+    optimizer = sum(t.numel() for k, t in plain[0].items()
+                    if k.startswith("optimizer.") and torch.is_tensor(t))
+    assert any("exp_avg_sq" in k for k in plain[0]) and len(plain[2]) == 2
+    assert 0 < plain[3] < optimizer // 100  # the gaps: under 1 % of the optimizer's elements
+    _same(plain, ssd)
 
 
 def test_missing_offload_dir_fails_before_step_1_or_falls_back_to_cpu(runs, tmp_path):
