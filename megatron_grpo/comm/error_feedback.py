@@ -42,7 +42,7 @@ import torch
 
 from megatron_grpo.comm import streams
 from megatron_grpo.comm.compress import Int8Compressor
-from megatron_grpo.grpo.config import RESIDUAL_DTYPES
+from megatron_grpo.comm.residual_dtypes import RESIDUAL_DTYPES
 
 STAGE_BLOCK_ELEMENTS = 1 << 22
 """Most elements of D(q) decoded at once when a residual is staged, and of an int8 residual

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron_grpo.comm.residual_dtypes import RESIDUAL_DTYPES
+
 TIERS = ("core", "dynamic", "stable")
 """The tier names, in rank order; the one definition (tiers.py, the bench and the glue import it)."""
 COMPRESSORS = ("int4", "int8", "topk", "powersgd")
@@ -20,7 +22,6 @@ SPARSE_TIERS = ("no-stable", "any")
 TIER_POLICIES = ("importance", "random", "inverse")
 IMPORTANCE_SCORES = ("grad-weight", "grad", "fisher")
 INTERNODE_PRESETS = ("none", "source")
-RESIDUAL_DTYPES = ("fp32", "bf16", "int8")
 
 
 class ConfigError(ValueError):

@@ -5,7 +5,7 @@ Per parameter shard this rank owns, the placed state is the fp32 master shard (G
 params their own master storage, megatron does for bf16) and the inner optimizer's
 per-element state (Adam's exp_avg and exp_avg_sq; TE FusedAdam's master_param with the
 precision-aware optimizer); scalar state (torch Adam's step) stays. The inner optimizer is the
-one megatron picks: TE's FusedAdam, apex's, or torch's AdamW (tests/fused_adam_double.py has
+one megatron picks: TE's FusedAdam, apex's, or torch's AdamW (megatron_grpo/platform/fused_adam.py has
 the fused ones' semantics on CPU).
 """
 

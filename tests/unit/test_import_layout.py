@@ -13,8 +13,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 BASE = ("platform", "data", "hooks")
 ALLOWED = {  # part of the package -> the other parts it may import
     "platform": (), "data": (), "hooks": (),
-    "grpo": (),  # config, importance, tiers, health, replica, outer_schedule, timing
-    "comm": ("grpo",),
+    # comm/ sits below grpo/: the configuration reads comm's lists (residual dtypes), never the
+    # other way round.
+    "comm": (),
+    "grpo": ("comm",),  # config, importance, tiers, health, replica, outer_schedule, timing
     "offload": ("grpo", "comm"),
     "grpo.controller": ("grpo", "comm", "offload"),
     "planner": ("grpo", "comm", "offload"),
