@@ -102,6 +102,14 @@ def strip_grpo(path: str, out_root: str) -> Dict:
     """Write ``out_root/iter_N``: the same model and optimizer files, common.pt and the rank
     files without GRPO's state, a new manifest. The source is not touched."""
     view = CheckpointView(path)
+    if "common.pt" not in view.manifest["files"]:
+        # megatron-core >= 0.19 keeps the common state inside the torch_dist files: removing
+        # GRPO's part would mean rewriting them, which this tool does not do yet.
+        raise ckpt.CheckpointError(
+            f"{view.path}: strip-grpo rewrites common.pt, and this checkpoint has none (written "
+            f"with megatron-core 0.19 or later, which stores the common state inside the "
+            f"torch_dist files). Convert it where megatron-core 0.16-0.18 wrote it, or resume "
+            f"without --grpo from its weights with --no-load-optim (docs/checkpoints.md)")
     it = int(view.manifest["iteration"])
     final = ckpt.iteration_dir(out_root, it)
     tmp = final + ".tmp"

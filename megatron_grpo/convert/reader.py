@@ -114,6 +114,13 @@ class CheckpointView:
         return out if layer is None else out[0]
 
     def common(self) -> Dict:
-        """megatron's common state (``common.pt``): the run's iteration, scheduler and GRPO's
-        replica-wide state under ``common``."""
-        return torch.load(os.path.join(self.path, "common.pt"), map_location="cpu", weights_only=False)
+        """megatron's common state: the run's iteration, scheduler and GRPO's replica-wide state
+        under ``common``. megatron-core up to 0.18 writes it to ``common.pt``; 0.19 stores it
+        as a sharded object inside the torch_dist files. megatron's own reader takes either
+        (``load_common_state_dict``); a ``common.pt`` is read directly, as before."""
+        legacy = os.path.join(self.path, "common.pt")
+        if os.path.isfile(legacy):
+            return torch.load(legacy, map_location="cpu", weights_only=False)
+        from megatron.core.dist_checkpointing import load_common_state_dict
+
+        return load_common_state_dict(self.path)

@@ -275,3 +275,36 @@ def test_a_checkpoint_of_other_versions_is_loaded_and_named(gpt_tied_ckpt, stdli
                             "--use-checkpoint-opt_param-scheduler"])  # keep the 8-iteration decay
     assert (f"[checkpoint] --load {copy}: written with megatron-core 0.15.0 there, {ours} here; "
             f"megatron-grpo 0.0.9 there, 0.1.0 here") in proc.stdout
+
+
+def test_a_checkpoint_without_common_pt_is_refused_by_strip_grpo_and_read_by_inspect(gpt_tied_ckpt, tmp_path):
+    """megatron-core 0.19 writes no common.pt: the common state is a sharded object inside the
+    torch_dist files. strip-grpo, which rewrites common.pt, refuses such a checkpoint naming the
+    way out (before writing anything), and the reader's common() goes to megatron's own
+    load_common_state_dict when common.pt is absent (here, under 0.16.1, that one needs it)."""
+    import shutil
+
+    from megatron_grpo.convert.ckpt_tools import strip_grpo
+    from megatron_grpo.convert.reader import CheckpointView
+    from megatron_grpo.training import checkpointing as ckpt
+
+    src = CheckpointView(gpt_tied_ckpt)
+    copy = str(tmp_path / os.path.basename(src.path))
+    shutil.copytree(src.path, copy)
+    os.remove(os.path.join(copy, "common.pt"))
+    ckpt.write_manifest(copy, int(src.manifest["iteration"]), int(src.manifest.get("world_size", 1)),
+                        src.manifest.get("layout", [1, 1]), src.record)
+    with pytest.raises(ckpt.CheckpointError, match=r"strip-grpo rewrites common.pt, and this checkpoint "
+                                                   r"has none \(written with megatron-core 0.19 or later"):
+        strip_grpo(copy, str(tmp_path / "out"))
+    assert not os.path.exists(tmp_path / "out")
+    seen = []
+    import megatron.core.dist_checkpointing as mdc
+
+    original = mdc.load_common_state_dict
+    mdc.load_common_state_dict = lambda path: seen.append(path) or {"common": {}}
+    try:
+        assert CheckpointView(copy).common() == {"common": {}} and seen == [copy]
+    finally:
+        mdc.load_common_state_dict = original
+    assert "common" in CheckpointView(gpt_tied_ckpt).common()  # common.pt read directly

@@ -133,7 +133,7 @@ def test_resume_with_offload_is_exact(runs):
 
 def _saved(ckpt_dir, out):
     """Everything a checkpoint holds, as plain objects: the dist_checkpointing tensors and
-    objects (model, optimizer: masters, moments), common.pt less the run's flags, and each
+    objects (model, optimizer: masters, moments), the common state less the run's flags, and each
     rank's file (RNG, residuals, accumulators, importance, Adam steps).
 
     megatron writes the gaps between parameters in an optimizer bucket from torch.empty
@@ -153,7 +153,12 @@ def _saved(ckpt_dir, out):
                 if start % 64:
                     tensors[key][start:start + size] = 0
                     gaps += size
-    common = torch.load(ckpt_dir / "common.pt", weights_only=False)
+    # megatron-core up to 0.18 writes common.pt; 0.19 keeps the common state inside the
+    # torch_dist files (a "common_state" object): its own reader takes either.
+    from megatron.core.dist_checkpointing import load_common_state_dict
+
+    tensors.pop("common_state", None)
+    common = load_common_state_dict(str(ckpt_dir))
     common["common"].pop("run_flags")  # --grpo-offload and its directory differ, as they should
     ranks = [torch.load(f, weights_only=False)
              for f in sorted(glob.glob(str(ckpt_dir / "rng" / "*.pt")))]
