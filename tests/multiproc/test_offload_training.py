@@ -157,7 +157,8 @@ def _saved(ckpt_dir, out):
     # torch_dist files (a "common_state" object): its own reader takes either.
     from megatron.core.dist_checkpointing import load_common_state_dict
 
-    tensors.pop("common_state", None)
+    for key in [k for k in tensors if k.startswith("common_state")]:  # 0.19: "common_state/shard_0_1"
+        tensors.pop(key)
     common = load_common_state_dict(str(ckpt_dir))
     common["common"].pop("run_flags")  # --grpo-offload and its directory differ, as they should
     ranks = [torch.load(f, weights_only=False)
