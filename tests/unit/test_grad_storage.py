@@ -137,21 +137,28 @@ class _FusedWgrad(torch.autograd.Function):
         return grad_out @ weight, None
 
 
-def test_fused_wgrad_finds_its_storage_allocated():
-    """With fusion the allocation must come from the module's output gradient: the same hook
-    GRPODistributedDataParallel registers (_grpo_pre_backward_hooks) on a real module."""
-    from megatron_grpo.megatron.ddp import GRPODistributedDataParallel
-
-    lin = torch.nn.Linear(4, 3, bias=False)
-    grad = torch.zeros(12)
-    lin.weight.main_grad = grad
-    bucket = SimpleNamespace(grad_data=grad, params_list=[lin.weight])
+def _released_unit_of(weight):
+    """One bucket holding ``weight``, its flat main_grad released (zero bytes), as after
+    zero_grad_buffer: (the flat gradient, its BucketGrads, the GradStorage)."""
+    grad = torch.zeros(weight.numel())
+    weight.main_grad = grad  # flat, as the fused double writes it
+    bucket = SimpleNamespace(grad_data=grad, params_list=[weight])
     g = BucketGrads(bucket, 0, 1, [])
     bucket.grpo_grads = g
     storage = GradStorage(window=1)
     storage.add(g)
     storage.reset([bucket])
     assert grad.untyped_storage().nbytes() == 0
+    return grad, g, storage
+
+
+def test_fused_wgrad_finds_its_storage_allocated():
+    """With fusion the allocation must come from the module's output gradient: the same hook
+    GRPODistributedDataParallel registers (_grpo_pre_backward_hooks) on a real module."""
+    from megatron_grpo.megatron.ddp import GRPODistributedDataParallel
+
+    lin = torch.nn.Linear(4, 3, bias=False)
+    grad, g, storage = _released_unit_of(lin.weight)
 
     class Holder(torch.nn.Module):
         def __init__(self):
@@ -180,15 +187,7 @@ def test_fused_wgrad_through_a_shared_weight_finds_its_storage_allocated():
     from megatron_grpo.megatron.ddp import GRPODistributedDataParallel
 
     emb = torch.nn.Embedding(7, 4)
-    grad = torch.zeros(28)
-    emb.weight.main_grad = grad  # flat, as the fused double writes it
-    bucket = SimpleNamespace(grad_data=grad, params_list=[emb.weight])
-    g = BucketGrads(bucket, 0, 1, [])
-    bucket.grpo_grads = g
-    storage = GradStorage(window=1)
-    storage.add(g)
-    storage.reset([bucket])
-    assert grad.untyped_storage().nbytes() == 0
+    grad, g, storage = _released_unit_of(emb.weight)
 
     class OutputLayer(torch.nn.Module):
         """megatron's ColumnParallelLinear with skip_weight_param_allocation: no parameter."""
