@@ -22,6 +22,8 @@ SPARSE_TIERS = ("no-stable", "any")
 TIER_POLICIES = ("importance", "random", "inverse")
 IMPORTANCE_SCORES = ("grad-weight", "grad", "fisher")
 INTERNODE_PRESETS = ("none", "source")
+SAMPLE_DGRAD = ("none", "stable", "below-core")
+SAMPLE_POLICIES = ("importance", "uniform")
 
 
 class ConfigError(ValueError):
@@ -196,6 +198,29 @@ class GRPOConfig:
     int8 is the default because it cost less than 0.1 point of late loss against fp32
     (docs/studies/2026-12-03-residual-dtype.md; memory: docs/offload.md, "Gradient memory")."""
 
+    sampled_backward: bool = False
+    """Compute the weight gradients of the dynamic and stable tiers' linear layers from a sample
+    of token rows, kept with probability ~ |dy_i| |x_i| and reweighted by 1/p (unbiased; core
+    stays exact). Each unit's keep ratio follows --grpo-sample-variance-budget (docs/compute.md)."""
+    sample_variance_budget: float = 0.25
+    """Variance the sampled weight gradient may add, as a share of the micro-batch's own
+    gradient variance (estimated from the same rows): 0.25 adds the noise of a batch 0.8 the
+    size. Each unit's keep ratio is the smallest that meets it, within the floor and ceiling."""
+    sample_min_keep: float = 0.1
+    """Floor of a unit's keep ratio (share of token rows whose weight gradient is computed)."""
+    sample_max_keep: float = 1.0
+    """Ceiling of a unit's keep ratio (1: a unit whose gradient needs every row stays exact)."""
+    sample_interval: int = 10
+    """Measure the keep ratio the budget needs every this many iterations (one small
+    all-reduce over the job each time, so every rank keeps the same ratios)."""
+    sample_dgrad: str = "none"
+    """Sample data gradients too (rows kept with probability ~ |dy_i|, reweighted): none, stable
+    (the stable tier's layers) or below-core (dynamic and stable). The layers below then see
+    zero rows and their own sampling skips them."""
+    sample_policy: str = "importance"
+    """How rows are chosen: importance (probability ~ leverage, production) or uniform (every
+    row with the unit's keep ratio: the ablation that asks whether importance matters)."""
+
     PRESETS = {"source": {"core_share": 0.15, "dynamic_share": 0.65, "stable_share": 0.2,
                           "core_compressor": "none", "core_sync_interval": 100,
                           "compressor": "int4", "dynamic_sync_interval": 50,
@@ -330,6 +355,19 @@ class GRPOConfig:
         if self.periodic and self.compressor in ("topk", "powersgd") and self.dynamic_sync_interval > 1:
             fail("compressor", "int4 or int8 with --grpo-dynamic-sync-interval > 1 (the deltas "
                  "are quantised)", self.compressor)
+        if not 0.0 < self.sample_variance_budget:
+            fail("sample_variance_budget", "a positive number", self.sample_variance_budget)
+        if not 0.0 < self.sample_min_keep <= self.sample_max_keep <= 1.0:
+            raise GRPOConfigError(f"--grpo-sample-min-keep and --grpo-sample-max-keep must satisfy "
+                                  f"0 < min <= max <= 1, got {self.sample_min_keep} and "
+                                  f"{self.sample_max_keep}")
+        if isinstance(self.sample_interval, bool) or not isinstance(self.sample_interval, int) \
+                or self.sample_interval < 1:
+            fail("sample_interval", "an integer >= 1", self.sample_interval)
+        if self.sample_dgrad not in SAMPLE_DGRAD:
+            fail("sample_dgrad", "one of " + ", ".join(SAMPLE_DGRAD), self.sample_dgrad)
+        if self.sample_policy not in SAMPLE_POLICIES:
+            fail("sample_policy", "one of " + ", ".join(SAMPLE_POLICIES), self.sample_policy)
         if self.dynamic_share > self.max_dynamic_share:
             raise GRPOConfigError(f"--grpo-dynamic-share ({self.dynamic_share}) exceeds "
                                   f"--grpo-max-dynamic-share ({self.max_dynamic_share})")

@@ -14,7 +14,10 @@ from megatron_grpo.megatron.compat import check_version
 
 check_version()  # before any glue binds to megatron's classes: a clear stop outside 0.16.1-0.19.x
 
+from megatron_grpo.compute.flops import attention_flops  # noqa: E402
+from megatron_grpo.compute.plan import SampledBackward  # noqa: E402
 from megatron_grpo.hooks import RunHooks  # noqa: E402  (after the version gate, on purpose)
+from megatron_grpo.megatron import sampled_linear  # noqa: E402
 from megatron_grpo.megatron.bucket_group import GRPOBucketGroup, install  # noqa: E402
 from megatron_grpo.megatron.ddp import GRPODistributedDataParallel  # noqa: E402
 from megatron_grpo.megatron.optimizer import (GRPODistributedOptimizer, get_grpo_optimizer,  # noqa: E402
@@ -61,6 +64,17 @@ def grpo_hooks(cfg):
         for opt in opts:
             opt.bind(ctrl)
         state["ctrl"], state["built"] = ctrl, built
+        # The compute policy: every linear layer counts its FLOPs; with --grpo-sampled-backward
+        # those below core sample their backward (megatron_grpo.megatron.sampled_linear).
+        group = grpo_data_parallel_group()
+        plan = SampledBackward(cfg.grpo, ctrl.layout.num_global, ctrl.layout.local,
+                               cfg.training.seed, torch.distributed.get_rank(group))
+        m, p = cfg.model, cfg.parallel
+        tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+        dp = torch.distributed.get_world_size() // (tp * pp)
+        plan.flops.other = attention_flops(m.num_layers // pp, cfg.training.global_batch_size // dp
+                                           * m.seq_length, m.seq_length, m.hidden_size // tp)
+        state["compute"] = plan if sampled_linear.install(built.ddp_model, ctrl.units, plan) else None
         state["placement"] = build_placement(cfg.offload, built.optimizer, ctrl,
                                              torch.distributed.get_rank())
 
@@ -70,6 +84,8 @@ def grpo_hooks(cfg):
 
     def after_step(iteration):
         state["ctrl"].end_step()  # reads a held stable gradient: before the storage goes
+        if state["compute"] is not None:
+            state["compute"].end_step(state["ctrl"].layout.sum_over_replica)
         storages = grad_storages()
         if storages:
             # The step has consumed the shards: no gradient memory until the next backward.
@@ -85,6 +101,8 @@ def grpo_hooks(cfg):
     def before_step(iteration):
         ctrl = state["ctrl"]
         ctrl.begin_step(iteration)
+        if state["compute"] is not None:
+            state["compute"].begin_step(iteration + 1, ctrl.replica_tiers, ctrl.tiered)
         if ctrl.left_local:
             # Units that left a periodic tier step on synced gradients from now on: their Adam
             # moments, grown on each instance's own gradients, must agree first.
@@ -102,6 +120,8 @@ def grpo_hooks(cfg):
 
     def step_metrics(iteration, wire, step_time):
         rec = state["ctrl"].metrics(wire["by_tag"], step_time)
+        if state["compute"] is not None:
+            rec.update(state["compute"].metrics())
         drift = [o.last_drift for o in outer_syncs() if o.last_drift is not None]
         if state["ctrl"].outer_synced and drift:
             # How far this rank's instance had drifted from the mean at the sync (rank 0's shards).
@@ -142,13 +162,17 @@ def grpo_hooks(cfg):
     def checkpoint_state():
         from megatron_grpo.megatron.reshard import gathered_param_steps
 
+        compute = state["compute"].state_dict() if state["compute"] is not None else None
         return {**state["ctrl"].common_state(), "world_size": torch.distributed.get_world_size(),
+                "sampled_backward": compute,
                 "layout": parallel_layout(),
                 "param_steps": gathered_param_steps(state["built"])}
 
     def load_state(saved):
         state["saved"] = saved or {}  # load_rank_state compares its world size and layout
         state["ctrl"].load_common_state(saved)
+        if state["compute"] is not None:
+            state["compute"].load_state_dict((saved or {}).get("sampled_backward"))
 
     def rank_state():
         return {"controller": state["ctrl"].rank_state(),

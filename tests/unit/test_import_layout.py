@@ -18,13 +18,14 @@ ALLOWED = {  # part of the package -> the other parts it may import
     "comm": (),
     "grpo": ("comm",),  # config, importance, tiers, health, replica, outer_schedule, timing
     "offload": ("grpo", "comm"),
+    "compute": ("grpo",),  # the sampled backward's estimator, keep ratios and FLOP count
     "grpo.controller": ("grpo", "comm", "offload"),
-    "planner": ("grpo", "comm", "offload"),
-    "megatron": BASE + ("grpo", "comm", "offload", "grpo.controller", "planner"),
+    "planner": ("grpo", "comm", "offload", "compute"),
+    "megatron": BASE + ("grpo", "comm", "offload", "compute", "grpo.controller", "planner"),
     "training.safety": BASE,  # what keeps a run safe: below the run, it imports none of it
     "training": BASE + ("grpo", "comm", "offload", "planner", "training.safety"),
     "convert": BASE + ("grpo", "comm", "planner", "training", "training.safety"),
-    "bench": BASE + ("grpo", "comm", "offload", "planner", "training", "training.safety"),
+    "bench": BASE + ("grpo", "comm", "offload", "compute", "planner", "training", "training.safety"),
 }
 OUTSIDE = ("tests", "harness", "launch", "tools")  # modules and paths the package never uses
 

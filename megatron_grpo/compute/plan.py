@@ -1,0 +1,136 @@
+"""The sampled backward's plan: each tier unit's keep ratio, identical on every rank of the job.
+
+Importance decides a unit's tier; variance decides its compute. Core units stay exact (ratio 1).
+For the others, every ``--grpo-sample-interval`` iterations the linear layers measure, from their
+own rows, the smallest keep ratio that meets ``--grpo-sample-variance-budget``
+(``sampler.keep_for_budget``); the next iteration sums those measurements over every rank (one
+all-reduce of two numbers per unit, through the replica layout, the same reduction the tier plan
+uses) and moves each unit's ratio halfway towards the row-weighted mean, clamped to the floor and
+ceiling. Every rank computes the same floats from the same sums, so tensor-parallel ranks and the
+copies of a tied weight on two pipeline stages keep the same ratio.
+
+The rows themselves are drawn from a generator seeded by (seed, iteration, backward call of the
+step, data-parallel rank): tensor-parallel ranks draw the same rows from the same probabilities,
+data-parallel ranks independent ones, and a resumed run draws what the uninterrupted one did.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from megatron_grpo.compute.flops import FlopCount
+from megatron_grpo.grpo.config import GRPOConfig
+
+SMOOTHING = 0.5
+"""Weight of a new measurement in a unit's ratio: measurements of one micro-batch are noisy,
+and a ratio that jumps would move compute back and forth between steps."""
+
+
+class SampledBackward:
+    """Keep ratios of the units of one model replica, and this rank's view of them."""
+
+    def __init__(self, config: GRPOConfig, num_global: int, local: slice, seed: int,
+                 dp_rank: int) -> None:
+        self.config = config
+        self.local = local
+        self.seed = seed
+        self.dp_rank = dp_rank
+        self.ratios: List[float] = [1.0] * num_global
+        """The plan: every unit's keep ratio (1.0: exact)."""
+        self.wanted: List[Optional[float]] = [None] * num_global
+        """Smoothed measurement of the ratio each unit's budget needs (also for core, reported)."""
+        self.tiers: List[str] = ["core"] * num_global
+        self.active = False
+        """Sampling runs (after the first tiering); before it every unit is exact."""
+        self.iteration = 0
+        self.calls = 0
+        num_local = local.stop - local.start
+        self._sums = torch.zeros(num_local, 2, dtype=torch.float64)
+        self.measuring = False
+        self.flops = FlopCount()
+
+    # ------------------------------------------------------------------ per step
+    def begin_step(self, iteration: int, replica_tiers: List[str], tiered: bool) -> None:
+        """Before iteration ``iteration`` (1-based) runs: this step's ratios."""
+        self.iteration = iteration
+        self.calls = 0
+        self.tiers = list(replica_tiers)
+        self.active = tiered
+        c = self.config
+        for i, tier in enumerate(self.tiers):
+            want = self.wanted[i]
+            self.ratios[i] = 1.0 if (tier == "core" or not tiered or want is None) else \
+                min(c.sample_max_keep, max(c.sample_min_keep, want))
+        self.measuring = iteration % c.sample_interval == 0
+        self.flops.reset()
+
+    def end_step(self, sum_over_replica: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """After the step: on a measuring step (the same on every rank: it follows the
+        iteration), sum the measurements over every rank (a collective) and fold them in, so a
+        checkpoint written now holds nothing rank-specific."""
+        if not self.measuring:
+            return
+        sums = sum_over_replica(self._sums).double().cpu()
+        for i, (weighted, rows) in enumerate(sums.tolist()):
+            if rows > 0:
+                now = weighted / rows
+                old = self.wanted[i]
+                self.wanted[i] = now if old is None else (1 - SMOOTHING) * old + SMOOTHING * now
+        self._sums.zero_()
+        self.measuring = False
+
+    def samples(self, local_unit: int) -> bool:
+        """Whether this unit's linear layers take the sampled backward this step: below core,
+        after the first tiering, with --grpo-sampled-backward (its ratio may still be 1 until
+        the first measurement; the sampled path is what measures)."""
+        return self.config.sampled_backward and self.active and self.tier(local_unit) != "core"
+
+    def keep(self, local_unit: int) -> float:
+        return self.ratios[self.local.start + local_unit]
+
+    def tier(self, local_unit: int) -> str:
+        return self.tiers[self.local.start + local_unit]
+
+    def samples_dgrad(self, local_unit: int) -> bool:
+        """Whether this unit's data gradients are sampled (--grpo-sample-dgrad)."""
+        mode, tier = self.config.sample_dgrad, self.tier(local_unit)
+        return self.keep(local_unit) < 1.0 and (mode == "below-core" or (mode == "stable" and tier == "stable"))
+
+    def record(self, local_unit: int, wanted: float, rows: int) -> None:
+        """One layer's measurement on a measuring step: the keep ratio its rows needed."""
+        self._sums[local_unit, 0] += wanted * rows
+        self._sums[local_unit, 1] += rows
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """A fresh generator for the next backward call of this step (see the module docstring)."""
+        self.calls += 1
+        g = torch.Generator(device=device)
+        mixed = (self.seed * 1_000_003 + self.iteration) * 1_000_033 + self.calls
+        g.manual_seed((mixed * 65_537 + self.dp_rank) % (2 ** 63 - 1))
+        return g
+
+    # ------------------------------------------------------------------ reports and state
+    def metrics(self) -> Dict[str, float]:
+        out = self.flops.metrics()
+        for tier in ("dynamic", "stable"):
+            ratios = [r for r, t in zip(self.ratios, self.tiers) if t == tier]
+            if ratios and self.active:
+                out[f"sample_keep_{tier}"] = sum(ratios) / len(ratios)
+        return out
+
+    def state_dict(self) -> Dict:
+        """Identical on every rank: the ratios and measurements (a resume samples as the
+        uninterrupted run would; the generator seeds follow from the iteration)."""
+        return {"ratios": list(self.ratios), "wanted": list(self.wanted)}
+
+    def load_state_dict(self, state: Optional[Dict]) -> None:
+        if not state:
+            return
+        if len(state["ratios"]) != len(self.ratios):
+            raise ValueError(f"the checkpoint's sampled-backward plan has {len(state['ratios'])} "
+                             f"units but this model replica has {len(self.ratios)}: resume with "
+                             f"the same model, layout and --grpo-bucket-mb")
+        self.ratios = list(state["ratios"])
+        self.wanted = list(state["wanted"])

@@ -1,0 +1,255 @@
+"""The sampled backward's estimator (megatron_grpo.compute.sampler) and the autograd function
+that carries it inside megatron's linear layers (megatron_grpo.megatron.sampled_linear), on one
+process: the probabilities, the variance budget, unbiasedness of the weight and data gradients
+(and that the check catches a biased estimator), core left to megatron's function bit for bit,
+gradient-accumulation fusion's dummy-gradient protocol, and the FLOP count."""
+
+import math
+
+import pytest
+import torch
+
+from megatron_grpo.compute import sampler as S
+from megatron_grpo.compute.flops import FlopCount
+from megatron_grpo.compute.plan import SampledBackward
+from megatron_grpo.grpo.config import GRPOConfig
+from megatron_grpo.megatron import sampled_linear as SL
+
+
+def _leverage(seed=0, n=400):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.rand(n, generator=g) ** 4  # heavy-tailed, as token leverage is
+    a[:7] = 0.0  # rows with no gradient (masked tokens, or dropped by a sampled layer above)
+    return a
+
+
+def _bisect_probabilities(a, keep):
+    """The reference: p = min(1, c a) with c found by plain bisection on the expected count."""
+    lo, hi = 0.0, 1e9
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if float(torch.clamp(mid * a, max=1.0).sum()) < keep * a.numel():
+            lo = mid
+        else:
+            hi = mid
+    return torch.clamp(hi * a, max=1.0)
+
+
+@pytest.mark.parametrize("keep", [0.05, 0.2, 0.5, 0.9])
+def test_probabilities_are_the_optimal_ones_for_the_expected_count(keep):
+    a = _leverage()
+    p = S.probabilities(a, keep)
+    assert float(p.sum()) == pytest.approx(keep * a.numel(), rel=1e-5)
+    assert float(p.max()) <= 1.0 and bool((p[a == 0] == 0).all())
+    assert torch.allclose(p, _bisect_probabilities(a, keep), atol=1e-5)
+
+
+def test_keep_for_budget_is_the_smallest_ratio_within_the_budget():
+    a = _leverage(1)
+    total = float(a.pow(2).sum())
+    for budget in (0.05, 0.25, 1.0):
+        keep = S.keep_for_budget(a, budget)
+        assert S.added_variance(a, S.probabilities(a, keep)) <= budget * total * (1 + 1e-4)
+        assert S.added_variance(a, S.probabilities(a, 0.97 * keep)) > budget * total
+    # A looser budget never needs more rows.
+    assert S.keep_for_budget(a, 1.0) < S.keep_for_budget(a, 0.25) < S.keep_for_budget(a, 0.05)
+    assert S.keep_for_budget(torch.zeros(10), 0.25) == 0.0
+
+
+def test_a_row_with_leverage_and_no_chance_is_refused():
+    with pytest.raises(ValueError, match="biased"):
+        S.added_variance(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 0.0]))
+
+
+class _Plan(SampledBackward):
+    """A one-unit plan, tiered, unit 0 in ``tier`` at ``keep`` (no process group)."""
+
+    def __init__(self, tier="dynamic", keep=0.3, dgrad="none", policy="importance", budget=0.25):
+        cfg = GRPOConfig(enabled=True, sampled_backward=True, sample_dgrad=dgrad,
+                         sample_policy=policy, sample_variance_budget=budget, sample_min_keep=keep,
+                         sample_max_keep=keep)
+        super().__init__(cfg, 1, slice(0, 1), seed=7, dp_rank=0)
+        self.wanted = [keep]
+        self.begin_step(1, [tier], tiered=True)
+
+
+def _layer(seed=0, rows=(24, 2), fan_in=16, fan_out=12):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(*rows, fan_in, generator=g) * torch.rand(*rows, 1, generator=g) ** 3)
+    w = torch.randn(fan_out, fan_in, generator=g)
+    dy = torch.randn(*rows, fan_out, generator=g) * torch.rand(*rows, 1, generator=g) ** 3
+    return x, w, dy
+
+
+def _sampled_grads(plan, x, w, dy, bias=None):
+    site = SL.Site(plan, 0, column=True, tp_group=None)
+    xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = SL._SampledLinear.apply(xi, wi, bias, False, False, False, None, site)
+    out.backward(dy)
+    return xi.grad, wi.grad
+
+
+def _unbiased(samples, exact, variance):
+    """||mean - exact||^2 has expectation variance / M for an unbiased estimator: allow 4x."""
+    mean = torch.stack(samples).double().mean(0)
+    return float((mean - exact.double()).pow(2).sum()) <= 4 * variance / len(samples)
+
+
+def test_the_sampled_weight_gradient_is_unbiased_and_its_variance_is_the_formula():
+    x, w, dy = _layer()
+    exact = dy.reshape(-1, 12).t() @ x.reshape(-1, 16)
+    plan = _Plan(keep=0.3)
+    a = (S.row_norms_sq(dy.reshape(-1, 12)) * S.row_norms_sq(x.reshape(-1, 16))).sqrt()
+    variance = S.added_variance(a, S.probabilities(a, 0.3))
+    samples = []
+    for k in range(1, 3001):
+        plan.begin_step(k, ["dynamic"], tiered=True)  # a new seed each draw
+        samples.append(_sampled_grads(plan, x, w, dy)[1])
+    assert _unbiased(samples, exact, variance)
+    spread = torch.stack(samples).double() - exact.double()
+    assert float(spread.pow(2).sum(dim=(1, 2)).mean()) == pytest.approx(variance, rel=0.1)
+    # The check says "bad" on a biased estimator: the same rows without the 1/p weights.
+    biased = [s * 0.3 for s in samples]
+    assert not _unbiased(biased, exact, variance)
+
+
+def test_the_sampled_data_gradient_is_unbiased():
+    x, w, dy = _layer(1)
+    exact = dy @ w
+    plan = _Plan(keep=0.4, dgrad="below-core")
+    d = S.row_norms_sq(dy.reshape(-1, 12)).sqrt()
+    rows = (dy.reshape(-1, 12) @ w).pow(2).sum(1)
+    p = S.probabilities(d, 0.4)
+    variance = float(((1 / p - 1) * rows).sum())
+    samples = []
+    for k in range(1, 3001):
+        plan.begin_step(k, ["dynamic"], tiered=True)
+        samples.append(_sampled_grads(plan, x, w, dy)[0])
+    assert _unbiased(samples, exact, variance)
+    assert not _unbiased([s * 0.4 for s in samples], exact, variance)
+
+
+def test_uniform_policy_keeps_every_row_with_the_same_chance():
+    a = _leverage()
+    p = S.uniform_probabilities(a, 0.25)
+    assert bool((p == 0.25).all())
+
+
+def test_core_goes_to_megatrons_function_untouched():
+    """A core unit's call is megatron's own function with the same arguments: its gradients are
+    megatron's bit for bit, and the sampled function never runs."""
+    x, w, dy = _layer(2)
+    calls = []
+
+    def megatron_impl(input, weight, bias=None, **kw):
+        calls.append(sorted(kw))
+        return torch.nn.functional.linear(input, weight, bias)
+
+    weight = torch.nn.Parameter(w.clone())
+    for tier, sampled in (("core", False), ("dynamic", True)):
+        plan = _Plan(tier=tier, keep=0.3)
+        impl = SL._wrap(megatron_impl, {}, {id(weight): 0}, plan, True, None)
+        xi = x.clone().requires_grad_()
+        weight.grad = None
+        impl(input=xi, weight=weight, bias=None, gradient_accumulation_fusion=False,
+             allreduce_dgrad=False, sequence_parallel=False, grad_output_buffer=None,
+             wgrad_deferral_limit=None, tp_group=None).backward(dy)
+        exact = dy.reshape(-1, 12).t() @ x.reshape(-1, 16)
+        if sampled:
+            assert len(calls) == 1 and not torch.equal(weight.grad, exact)
+        else:
+            assert len(calls) == 1 and torch.equal(weight.grad, exact)
+            assert torch.equal(xi.grad, dy @ w)
+    # 0.19's GTP re-materialisation shards the weight: such a call runs exact.
+    plan = _Plan(tier="dynamic")
+    impl = SL._wrap(megatron_impl, {}, {id(weight): 0}, plan, True, None)
+    impl(input=x, weight=weight, gtp_remat_size=2)
+    assert len(calls) == 2
+
+
+def test_fused_wgrad_adds_to_main_grad_and_returns_megatrons_dummy():
+    """Gradient-accumulation fusion: the sampled gradient goes into main_grad, a dummy gradient
+    is returned and grad_added_to_main_grad set (DDP's hook then skips the add), as megatron's
+    own backward does; zero_out_wgrad gives zeros."""
+    x, w, dy = _layer(3)
+    plan = _Plan(keep=1.0)  # every non-zero row, weight 1: the exact sum
+    weight = torch.nn.Parameter(w.clone())
+    weight.main_grad = torch.full((12, 16), 0.5)
+    weight.grad_added_to_main_grad = False
+    weight.zero_out_wgrad = True
+    site = SL.Site(plan, 0, column=True, tp_group=None)
+    SL._SampledLinear.apply(x, weight, None, True, False, False, None, site).backward(dy)
+    exact = dy.reshape(-1, 12).t() @ x.reshape(-1, 16)
+    assert torch.allclose(weight.main_grad, exact + 0.5, atol=1e-5)
+    assert weight.grad_added_to_main_grad is True
+    assert torch.equal(weight.grad, torch.zeros(12, 16))
+
+
+def test_flops_count_the_rows_each_part_computed():
+    x, w, dy = _layer(4)
+    plan = _Plan(keep=0.3, dgrad="below-core")
+    plan.flops.other = 1000
+    _sampled_grads(plan, x, w, dy)
+    m = plan.metrics()
+    per_row = 2 * 16 * 12
+    assert m["flops_dynamic_fwd"] == 48 * per_row
+    assert 0 < m["flops_dynamic_wgrad"] < 48 * per_row and m["flops_dynamic_wgrad"] % per_row == 0
+    assert 0 < m["flops_dynamic_dgrad"] < 48 * per_row
+    assert m["flops_exact_step"] == 3 * 48 * per_row + 1000
+    assert m["flops_ratio"] == pytest.approx(m["flops_step"] / m["flops_exact_step"])
+    assert m["sample_keep_dynamic"] == pytest.approx(0.3)
+
+
+def test_keep_ratios_follow_the_measured_budget_within_floor_and_ceiling():
+    cfg = GRPOConfig(enabled=True, sampled_backward=True, sample_min_keep=0.2, sample_max_keep=0.9,
+                     sample_interval=5)
+    plan = SampledBackward(cfg, 3, slice(0, 3), seed=1, dp_rank=0)
+    plan.begin_step(5, ["core", "core", "core"], tiered=False)
+    assert plan.measuring and plan.ratios == [1.0, 1.0, 1.0]
+    for unit, want in enumerate((0.5, 0.05, 0.99)):
+        plan.record(unit, want, 100)
+    plan.end_step(lambda t: t)  # one rank: the sum is its own
+    plan.begin_step(6, ["core", "dynamic", "stable"], tiered=True)
+    assert not plan.measuring
+    assert plan.ratios == [1.0, 0.2, 0.9]  # core exact; floor; ceiling
+    plan.begin_step(10, ["dynamic", "dynamic", "stable"], tiered=True)
+    plan.record(0, 0.3, 50)
+    plan.record(0, 0.6, 150)
+    plan.end_step(lambda t: t)
+    plan.begin_step(11, ["dynamic", "dynamic", "stable"], tiered=True)
+    assert plan.ratios[0] == pytest.approx(0.5 * 0.5 + 0.5 * (0.3 * 50 + 0.6 * 150) / 200)
+    saved = plan.state_dict()
+    other = SampledBackward(cfg, 3, slice(0, 3), seed=1, dp_rank=0)
+    other.load_state_dict(saved)
+    other.begin_step(11, ["dynamic", "dynamic", "stable"], tiered=True)
+    assert other.ratios == plan.ratios
+    with pytest.raises(ValueError, match="--grpo-bucket-mb"):
+        SampledBackward(cfg, 4, slice(0, 4), 1, 0).load_state_dict(saved)
+
+
+def test_generators_repeat_per_iteration_and_call_and_differ_across_data_parallel_ranks():
+    cfg = GRPOConfig(enabled=True, sampled_backward=True)
+    draws = {}
+    for dp in (0, 1):
+        for _ in range(2):  # the same rank twice: a resumed run draws what the first did
+            plan = SampledBackward(cfg, 1, slice(0, 1), seed=3, dp_rank=dp)
+            plan.begin_step(12, ["dynamic"], tiered=True)
+            draws.setdefault(dp, []).append([torch.rand(4, generator=plan.generator(torch.device("cpu")))
+                                             for _ in range(2)])
+    assert all(torch.equal(a, b) for a, b in zip(*draws[0]))
+    assert not torch.equal(draws[0][0][0], draws[0][0][1])  # calls differ
+    assert not torch.equal(draws[0][0][0], draws[1][0][0])  # dp ranks differ
+
+
+def test_sample_flags_are_validated():
+    from megatron_grpo.grpo.config import GRPOConfigError
+
+    for kw, flag in (({"sample_dgrad": "all"}, "--grpo-sample-dgrad"),
+                     ({"sample_policy": "random"}, "--grpo-sample-policy"),
+                     ({"sample_interval": 0}, "--grpo-sample-interval"),
+                     ({"sample_variance_budget": 0.0}, "--grpo-sample-variance-budget")):
+        with pytest.raises(GRPOConfigError, match=flag):
+            GRPOConfig(**kw).validate()
+    with pytest.raises(GRPOConfigError, match="min-keep"):
+        GRPOConfig(sample_min_keep=0.5, sample_max_keep=0.4).validate()
+    assert math.isclose(FlopCount().metrics()["flops_ratio"], 1.0)
