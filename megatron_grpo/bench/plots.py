@@ -56,6 +56,19 @@ def loss_curves(runs: Dict[str, List[Dict]], path: str, title: str) -> str:
     return _save(fig, path)
 
 
+def val_vs_time(curves: Dict[str, List[List[float]]], path: str, title: str) -> str:
+    """Validation loss against seconds of training steps, one line per run."""
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for label, pts in curves.items():
+        if pts:
+            ax.plot(*zip(*pts), marker="o", ms=3, lw=1, label=label)
+    ax.set(title=f"{title}: validation loss against wall-clock", xlabel="seconds of training steps",
+           ylabel="validation loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
 def val_diff(curves: Dict[str, List[List[float]]], path: str, title: str,
              target_pct: float = 1.0) -> str:
     """Validation loss of each run relative to its baseline, in percent, along the run."""

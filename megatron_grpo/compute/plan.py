@@ -50,6 +50,7 @@ class SampledBackward:
         self._sums = torch.zeros(num_local, 2, dtype=torch.float64)
         self.measuring = False
         self.flops = FlopCount()
+        self._digest: Optional[torch.Tensor] = None
 
     # ------------------------------------------------------------------ per step
     def begin_step(self, iteration: int, replica_tiers: List[str], tiered: bool) -> None:
@@ -61,10 +62,13 @@ class SampledBackward:
         c = self.config
         for i, tier in enumerate(self.tiers):
             want = self.wanted[i]
-            self.ratios[i] = 1.0 if (tier == "core" or not tiered or want is None) else \
+            # Before a unit's first measurement: the ceiling (the sampled path is what measures).
+            want = c.sample_max_keep if want is None else want
+            self.ratios[i] = 1.0 if (tier == "core" or not tiered) else \
                 min(c.sample_max_keep, max(c.sample_min_keep, want))
         self.measuring = iteration % c.sample_interval == 0
         self.flops.reset()
+        self._digest = None
 
     def end_step(self, sum_over_replica: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """After the step: on a measuring step (the same on every rank: it follows the
@@ -111,9 +115,18 @@ class SampledBackward:
         g.manual_seed((mixed * 65_537 + self.dp_rank) % (2 ** 63 - 1))
         return g
 
+    def note_rows(self, kept: torch.Tensor) -> None:
+        """Fold a draw's kept row indices into the step's digest, on the device (no host sync
+        until the step's metrics): ranks that draw the same rows report the same digest."""
+        term = ((kept.to(torch.int64) + 1) * (self.calls * 2_654_435_761 % 1_000_000_007)).remainder(
+            1_000_000_007).sum()
+        self._digest = term if self._digest is None else (self._digest + term).remainder(1_000_000_007)
+
     # ------------------------------------------------------------------ reports and state
     def metrics(self) -> Dict[str, float]:
         out = self.flops.metrics()
+        if self._digest is not None:
+            out["sample_rows_digest"] = int(self._digest)
         for tier in ("dynamic", "stable"):
             ratios = [r for r, t in zip(self.ratios, self.tiers) if t == tier]
             if ratios and self.active:

@@ -131,6 +131,7 @@ class _SampledLinear(torch.autograd.Function):
         # Data gradient: every row (megatron's), or the rows kept by |dy_i|.
         if plan.samples_dgrad(site.unit):
             d_kept, d_weight = sampler.draw(_probabilities(site, dy_sq.sqrt(), keep), generator)
+            plan.note_rows(d_kept)
             grad_flat = torch.zeros((rows, fan_in), dtype=dy.dtype, device=dy.device)
             part = (dy.index_select(0, d_kept) * d_weight.to(dy.dtype).unsqueeze(1)).matmul(weight)
             grad_flat.index_copy_(0, d_kept, part)
@@ -150,6 +151,7 @@ class _SampledLinear(torch.autograd.Function):
 
         # Weight gradient from the rows kept by leverage |dy_i| |x_i|, reweighted by 1/p.
         kept, w = sampler.draw(_probabilities(site, leverage, keep), generator)
+        plan.note_rows(kept)
         dy_s = dy.index_select(0, kept) * w.to(dy.dtype).unsqueeze(1)
         x_s = x.index_select(0, kept)
         grad_weight = _weight_gradient(ctx, weight, dy_s, x_s, input.dtype)
