@@ -1,4 +1,4 @@
-"""Device check of the GPU path (issue 27, item 9): one CUDA device, about 4 minutes on an H200, five phases.
+"""Device check of the GPU path: one CUDA device, about 6 minutes on an H200, six phases.
 
     bash tools/gpu_check.sh                     # the usual entry (OUT=... for the logs)
     bash tools/gpu_check.sh --cpu               # the CPU dry run (in the default test suite)
@@ -16,12 +16,14 @@ Phases (tools/gpu_checks/phase_<x>.py say what each asserts):
      bytes = the planner's, memory tier on = off, the hierarchical (2-instance) path
   e  ~300M bf16 model, 2 ranks, 20 steps: step time and peak memory vs the baseline, a
      monitoring step
+  f  the same model, 1 rank, 20 steps: --grpo-sampled-backward vs the baseline (FLOPs counted,
+     forward+backward time, validation loss)
 
 Each phase asserts numbers, prints one table and writes OUT/phase_<x>.log; OUT/summary.txt and
-OUT/results.json close the run (7 files: the device machine returns at most 8). Every process
-has a timeout inside the whole budget. The runs of b, c and d share the device at once; e runs
-alone. ``--cpu`` runs the same logic on the CPU with gloo and a smaller model: a to d for real
-(b's CUDA-only parts skipped), e's analysis on recorded-shape numbers.
+OUT/results.json close the run (8 files: the device machine returns at most 8). Every process
+has a timeout inside the whole budget. The runs of b, c and d share the device at once; e and f
+run alone. ``--cpu`` runs the same logic on the CPU with gloo and a smaller model: a to d for
+real (b's CUDA-only parts skipped), e's and f's analyses on recorded-shape numbers.
 
 Exit status: 0 no phase failed; 1 a phase failed; 2 nothing checked (no CUDA device without
 --cpu, or bad arguments).
@@ -43,7 +45,7 @@ for _path in (ROOT, HERE):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from gpu_checks import phase_a, phase_b, phase_c, phase_d, phase_e  # noqa: E402
+from gpu_checks import phase_a, phase_b, phase_c, phase_d, phase_e, phase_f  # noqa: E402
 from gpu_checks.common import (BUDGET_S, CPU_BUDGET_S, EXIT_FAIL, EXIT_NOTHING_CHECKED,  # noqa: E402
                                EXIT_OK, PHASES, TITLES, CheckSkipped, Expect, Result, table)
 from gpu_checks.runs import Context, run_pool  # noqa: E402
@@ -149,6 +151,16 @@ def run_all(ctx: Context, phases: List[str]) -> List[Result]:
             runs["e"] = e_runs
             results.append(run_phase(ctx, "e", with_logs(lambda ex: phase_e.analyze(ex, ctx, e_runs), "e"),
                                      sum(r.elapsed_s for r in e_runs)))
+    if "f" in phases:
+        if ctx.cpu:
+            results.append(run_phase(ctx, "f", lambda ex: (phase_f.dry_run(ex), [])))
+        else:
+            f_runs = phase_f.runs(ctx)
+            print("\n=== phase f runs (one at a time: step times)", flush=True)
+            run_pool(ctx, f_runs, slots=1)
+            runs["f"] = f_runs
+            results.append(run_phase(ctx, "f", with_logs(lambda ex: phase_f.analyze(ex, ctx, f_runs), "f"),
+                                     sum(r.elapsed_s for r in f_runs)))
     return results
 
 

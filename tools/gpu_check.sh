@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Device check of the GPU path (issue 27 item 9): one CUDA device, about 4 minutes on an H200, phases a-e
+# Device check of the GPU path: one CUDA device, about 6 minutes on an H200, phases a-f
 # (tools/gpu_check.py says what each asserts). Logs: OUT/phase_<x>.log, OUT/summary.txt,
 # OUT/results.json (7 files; a device machine returns at most 8).
 #
 #   bash tools/gpu_check.sh                 # on the device; from anywhere (runs from the repo root)
 #   bash tools/gpu_check.sh --cpu           # the CPU dry run (tests/unit/test_gpu_check_script.py)
 #   bash tools/gpu_check.sh --phases a b    # some phases only
+#   bash tools/gpu_check.sh --phases a f    # the sampled backward alone (f runs last: a budget cut
+#                                           # of the whole check falls on it)
 #   bash tools/gpu_check.sh --list
 #   bash tools/gpu_check.sh --fetch-wheels  # fill .whl/ (needs the network; do it before a loan)
 #   bash tools/gpu_check.sh --megatron 0.19.2 --phases a b c d   # the same phases on megatron-core 0.19.2

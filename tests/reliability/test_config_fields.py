@@ -94,6 +94,13 @@ RANGE = {
     "grpo.release_grads": None, "grpo.first_batch_overlap": None,
     "grpo.grad_units_in_flight": ["--grpo-grad-units-in-flight", "0"],
     "grpo.residual_dtype": ["--grpo-residual-dtype", "fp16"],
+    "grpo.sampled_backward": None,
+    "grpo.sample_variance_budget": ["--grpo-sample-variance-budget", "0"],
+    "grpo.sample_min_keep": ["--grpo-sample-min-keep", "0"],
+    "grpo.sample_max_keep": ["--grpo-sample-max-keep", "1.5"],
+    "grpo.sample_interval": ["--grpo-sample-interval", "0"],
+    "grpo.sample_dgrad": ["--grpo-sample-dgrad", "all"],
+    "grpo.sample_policy": ["--grpo-sample-policy", "random"],
     "offload.target": ["--grpo", "--grpo-offload", "disk"], "offload.stream": None,
     "offload.residuals": None, "offload.grads": None,
     "offload.offload_dir": ["--grpo", "--grpo-offload", "ssd"],  # ssd without a directory

@@ -32,7 +32,7 @@ def _load():
 
 
 gc = _load()
-from gpu_checks import common, fused_adam, gloo_cuda, phase_b, phase_c, phase_d, phase_e  # noqa: E402
+from gpu_checks import common, fused_adam, gloo_cuda, phase_b, phase_c, phase_d, phase_e, phase_f  # noqa: E402
 from gpu_checks.runs import TrainRun  # noqa: E402
 
 
@@ -51,7 +51,7 @@ def test_shell_script_syntax():
 def test_list_names_the_five_phases(argv, tmp_path):
     proc = subprocess.run(argv, capture_output=True, text=True, env=_env(tmp_path), timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert [line.split()[0] for line in proc.stdout.splitlines() if line.strip()] == list("abcde")
+    assert [line.split()[0] for line in proc.stdout.splitlines() if line.strip()] == list("abcdef")
 
 
 @no_cuda
@@ -146,6 +146,29 @@ def test_phase_e_analysis_passes_recorded_shapes_and_fails_each_defect():
     phase_e.dry_run(ex)
     assert ex.status() == "PASS", ex.failures
     assert ex.asserted == 1 + len(phase_e.DEFECTS)
+
+
+def test_phase_f_analysis_passes_recorded_shapes_and_fails_each_defect():
+    ex = common.Expect(echo=False)
+    phase_f.dry_run(ex)
+    assert ex.status() == "PASS", ex.failures
+    assert ex.asserted == 1 + len(phase_f.DEFECTS)
+
+
+def test_phase_f_device_analysis_checks_the_runs_platform_and_spec():
+    base, sampled = phase_f.synthetic()
+    runs = []
+    for name, recs, spec in (("f_base", base, "local"), ("f_sampled", sampled, "transformer_engine")):
+        run = TrainRun(name, "f", ["--train-iters", "20"], nproc=1)
+        run.started, run.rcs, run.records, run.platform, run.spec = True, [0], recs, "nccl/cuda:0", spec
+        runs.append(run)
+    ex = common.Expect(echo=False)
+    phase_f.analyze(ex, None, runs)
+    assert ex.status() == "FAIL" and any("f_sampled: spec transformer_engine" in f for f in ex.failures)
+    runs[1].spec = "local"
+    ex = common.Expect(echo=False)
+    phase_f.analyze(ex, None, runs)
+    assert ex.status() == "PASS", ex.failures
 
 
 def test_phase_e_device_analysis_with_the_planner_on_recorded_shapes():
@@ -252,10 +275,10 @@ def test_cpu_dry_run_passes_every_phase(tmp_path):
     assert proc.returncode == 0, out[-6000:]
     files = sorted(os.listdir(env["OUT"]))
     assert files == ["phase_a.log", "phase_b.log", "phase_c.log", "phase_d.log", "phase_e.log",
-                     "results.json", "summary.txt"]  # the device machine returns at most 8
+                     "phase_f.log", "results.json", "summary.txt"]  # the device machine returns at most 8
     with open(os.path.join(env["OUT"], "results.json")) as fh:
         phases = {p["phase"]: p for p in json.load(fh)["phases"]}
-    assert {k: p["status"] for k, p in phases.items()} == dict.fromkeys("abcde", "PASS")
+    assert {k: p["status"] for k, p in phases.items()} == dict.fromkeys("abcdef", "PASS")
     for needle in ("GRPO warm-up losses (iterations 1-4) = the baseline's", "1 rank: losses with the memory tier",
                    "d_grpo: counted bytes per tier = the planner's on 10/10", "d_hier: inter-node bytes",
                    "weight hash equal on both ranks after 10/10", "every param group's step counter = 8",

@@ -26,7 +26,7 @@ CPU_BUDGET_S = 300.0
 """The CPU dry run (``--cpu``): tiny models, gloo, few iterations."""
 EXIT_OK, EXIT_FAIL, EXIT_NOTHING_CHECKED = 0, 1, 2
 STRICT_ENV = "MEGATRON_GRPO_STRICT_COMM"  # megatron_grpo.comm.wire.STRICT_ENV
-PHASES = ("a", "b", "c", "d", "e")
+PHASES = ("a", "b", "c", "d", "e", "f")
 TITLES = {
     "a": "wheels and versions",
     "b": "tensor checks: compressors, error feedback, importance, streams, collectives at world "
@@ -36,6 +36,8 @@ TITLES = {
          "hierarchy",
     "e": "~300M bf16 model, 2 ranks, 20 steps: step time and peak memory vs baseline, "
          "monitoring step",
+    "f": "~300M bf16 model, 1 rank, 20 steps: the sampled backward vs baseline (FLOPs, "
+         "fwd+bwd time, validation loss)",
 }
 
 
