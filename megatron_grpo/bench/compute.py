@@ -84,11 +84,30 @@ def _steady(records: List[Dict], key: str, start: int) -> Optional[float]:
     return _mean(r.get(key) for r in records if r["iteration"] > start)
 
 
+def predicted_flops(records: List[Dict], start: int) -> Optional[float]:
+    """The planner's FLOPs ratio (megatron_grpo.planner.compute) for the run's tier map (its
+    forward FLOPs below core) and its mean keep ratio; the run's own count also sees the zero rows
+    that sampled data gradients pass down, which the planner leaves out."""
+    from megatron_grpo.planner.compute import predict
+    from megatron_grpo.planner.plan import ModelSpec
+
+    steady = [r for r in records if r["iteration"] > start and "sample_keep_dynamic" in r]
+    if not steady:
+        return None
+    fwd = lambda r, t: r.get(f"flops_{t}_fwd", 0.0)  # noqa: E731
+    below = statistics.mean((fwd(r, "dynamic") + fwd(r, "stable")) /
+                            (fwd(r, "core") + fwd(r, "dynamic") + fwd(r, "stable")) for r in steady)
+    keep = statistics.mean(r["sample_keep_dynamic"] for r in steady)
+    # launch/configs/compute.yaml on 2 ranks: 2 samples of 256 tokens per rank and step.
+    model = ModelSpec(num_layers=2, hidden=512, heads=8, vocab=258, seq_length=256, micro_batch_size=2)
+    return predict(model, tokens=512, below_core_share=below, keep=keep, sample_dgrad=True)["ratio"]
+
+
 def run(args, command: str) -> SuiteResult:
     grid = run_grid("compute", args, DEFAULT_CONFIG, CONTENDERS, DEFAULT_SEEDS)
     seeds, spec, start = grid.seeds, grid.spec, grid.steady_from
     res = SuiteResult("compute", "Compute: the sampled backward, time to the baseline's quality",
-                      command, ["contender", "FLOPs/step", "keep (dynamic)", "fwd+bwd ratio",
+                      command, ["contender", "FLOPs/step", "planner", "keep (dynamic)", "fwd+bwd ratio",
                                 "step ratio", "val loss", "vs baseline", "time to baseline's val"])
     curves = {}
     for c in CONTENDERS:
@@ -106,7 +125,8 @@ def run(args, command: str) -> SuiteResult:
             curves[f"{c.name} s{s}"] = wallclock_curve(recs[s])
         reached = [t for t in times if t is not None]
         res.rows.append([
-            c.name, F.fmt(_mean(flops), ".3f", "x"), F.fmt(keep, ".2f"),
+            c.name, F.fmt(_mean(flops), ".3f", "x"),
+            F.fmt(_mean(predicted_flops(recs[s], start) for s in seeds), ".3f", "x"), F.fmt(keep, ".2f"),
             F.fmt(grid.mean(c.name, "steady_fwd_bwd_time_ratio"), ".3f"),
             F.fmt(grid.mean(c.name, "steady_step_time_ratio"), ".3f"),
             F.fmt(_mean(grid.summaries[c.name][s]["val_loss"] for s in seeds), ".4f"),

@@ -51,8 +51,15 @@ def test_tensor_parallel_ranks_sample_the_rows_one_rank_does(stdlib_data, tp1, t
     assert len(digests) >= 5 and sum(a != b for a, b in digests) <= 1, digests
     for i, (a, b) in enumerate(zip(losses(tp2), losses(tp1))):
         assert abs(a - b) <= 1e-3 * abs(b), f"iteration {i + 1}: {a} vs {b}"
-    # The counted FLOPs: each TP rank computes half of every linear layer.
+    # The counted FLOPs: each TP rank computes half of every linear layer; the exact step is
+    # the planner's count (megatron_grpo.planner.compute) to the FLOP.
     assert tp2[-1]["flops_ratio"] == pytest.approx(tp1[-1]["flops_ratio"], rel=0.02)
+    from megatron_grpo.planner.compute import exact_step_flops
+    from megatron_grpo.planner.plan import ModelSpec
+
+    small = ModelSpec(num_layers=2, hidden=96, heads=4, vocab=258, seq_length=64, micro_batch_size=2)
+    assert tp1[-1]["flops_exact_step"] == exact_step_flops(small, tokens=8 * 64)
+    assert tp2[-1]["flops_exact_step"] == exact_step_flops(small, tokens=8 * 64, tp=2)
 
 
 def test_pipeline_stages_with_activation_recompute_sample(stdlib_data, tmp_path):
