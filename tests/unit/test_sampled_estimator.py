@@ -253,3 +253,22 @@ def test_sample_flags_are_validated():
     with pytest.raises(GRPOConfigError, match="min-keep"):
         GRPOConfig(sample_min_keep=0.5, sample_max_keep=0.4).validate()
     assert math.isclose(FlopCount().metrics()["flops_ratio"], 1.0)
+
+
+def test_te_layers_are_refused_naming_the_layer_and_the_way_out():
+    from megatron_grpo.grpo.config import ConfigError
+
+    class TELayerNormColumnParallelLinear(torch.nn.Module):  # the name is what install reads
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(2, 2))
+
+    model = torch.nn.Module()
+    model.add_module("linear_qkv", TELayerNormColumnParallelLinear())
+    chunk = type("Chunk", (), {"module": model})()
+    with pytest.raises(ConfigError, match="linear_qkv is TELayerNormColumnParallelLinear.*"
+                                          "--transformer-impl local"):
+        SL.install([chunk], [], _Plan())
+    off = _Plan()
+    off.config.sampled_backward = False  # FLOPs counting only: nothing to refuse, nothing wrapped
+    assert SL.install([chunk], [], off) == 0
