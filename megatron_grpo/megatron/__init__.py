@@ -20,6 +20,7 @@ from megatron_grpo.hooks import RunHooks  # noqa: E402  (after the version gate,
 from megatron_grpo.megatron import sampled_linear  # noqa: E402
 from megatron_grpo.megatron.bucket_group import GRPOBucketGroup, install  # noqa: E402
 from megatron_grpo.megatron.ddp import GRPODistributedDataParallel  # noqa: E402
+from megatron_grpo.megatron.frozen_prefix import FrozenPrefix  # noqa: E402
 from megatron_grpo.megatron.optimizer import (GRPODistributedOptimizer, get_grpo_optimizer,  # noqa: E402
                                               grpo_optimizers, load_optimizer_state, optimizer_state)
 from megatron_grpo.megatron.resident import resident_by_kind  # noqa: E402
@@ -75,6 +76,7 @@ def grpo_hooks(cfg):
         plan.flops.other = attention_flops(m.num_layers // pp, cfg.training.global_batch_size // dp
                                            * m.seq_length, m.seq_length, m.hidden_size // tp)
         state["compute"] = plan if sampled_linear.install(built.ddp_model, ctrl.units, plan) else None
+        state["prefix"] = FrozenPrefix(built.ddp_model) if cfg.grpo.stable_frozen else None
         state["placement"] = build_placement(cfg.offload, built.optimizer, ctrl,
                                              torch.distributed.get_rank())
 
@@ -103,6 +105,8 @@ def grpo_hooks(cfg):
         ctrl.begin_step(iteration)
         if state["compute"] is not None:
             state["compute"].begin_step(iteration + 1, ctrl.replica_tiers, ctrl.tiered)
+        if state["prefix"] is not None:
+            state["prefix"].begin_step()  # after the controller set this step's requires_grad
         if ctrl.left_local:
             # Units that left a periodic tier step on synced gradients from now on: their Adam
             # moments, grown on each instance's own gradients, must agree first.
@@ -122,6 +126,8 @@ def grpo_hooks(cfg):
         rec = state["ctrl"].metrics(wire["by_tag"], step_time)
         if state["compute"] is not None:
             rec.update(state["compute"].metrics())
+        if state["prefix"] is not None:
+            rec["frozen_prefix_layers"] = state["prefix"].cut
         drift = [o.last_drift for o in outer_syncs() if o.last_drift is not None]
         if state["ctrl"].outer_synced and drift:
             # How far this rank's instance had drifted from the mean at the sync (rank 0's shards).

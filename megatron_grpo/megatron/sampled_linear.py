@@ -209,7 +209,10 @@ def _wrap(original, sites: dict, unit_of: dict, plan: SampledBackward, column: b
         if exact:
             if torch.is_grad_enabled():
                 rows = math.prod(input.shape[:-1]) * (site.tp if sequence_parallel else 1)
-                site.count(rows, weight.shape[1], weight.shape[0], rows, rows, weight.requires_grad)
+                # No data gradient below the frozen prefix's cut (frozen_prefix.py): an input
+                # that needs none gets none from autograd.
+                site.count(rows, weight.shape[1], weight.shape[0], rows,
+                           rows if input.requires_grad else 0, weight.requires_grad)
             return original(input, weight, **args)
         group = tp_group if tp_group is not None else site.tp_group
         return _SampledLinear.apply(input, weight, bias, gradient_accumulation_fusion,
