@@ -1,0 +1,42 @@
+"""The compute bench's figures from records (megatron_grpo.bench.compute): wall-clock to a
+validation loss, robust to a few slowed steps, and "never" for a run that does not reach it."""
+
+import pytest
+
+from megatron_grpo.bench import compute as C
+
+
+def _records(n, step, vals, spike_at=None):
+    out = []
+    for i in range(1, n + 1):
+        r = {"iteration": i, "step_time_s": 10.0 if i == spike_at else step}
+        if i in vals:
+            r["val_loss"] = vals[i]
+        out.append(r)
+    return out
+
+
+def test_time_to_interpolates_between_evaluations_and_says_never():
+    curve = C.wallclock_curve(_records(100, 0.5, {50: 3.0, 100: 2.0}))
+    assert curve == [[25.0, 3.0], [50.0, 2.0]]
+    assert C.time_to(curve, 2.5) == pytest.approx(37.5)
+    assert C.time_to(curve, 3.5) == 25.0  # the first evaluation is already below
+    assert C.time_to(curve, 1.9) is None  # never reached
+
+
+def test_a_slowed_step_does_not_decide_the_race_but_a_slower_phase_does():
+    calm = C.wallclock_curve(_records(100, 0.5, {100: 2.0}))
+    spiked = C.wallclock_curve(_records(100, 0.5, {100: 2.0}, spike_at=30))
+    assert spiked == calm
+    slower = _records(100, 0.5, {100: 2.0})
+    for r in slower[50:]:
+        r["step_time_s"] = 0.7  # e.g. GRPO's tiered steps after an exact warm-up
+    assert C.wallclock_curve(slower)[-1][0] == pytest.approx(50 * 0.5 + 50 * 0.7)
+
+
+def test_the_planners_flops_for_a_runs_tier_map_and_keep_ratio():
+    recs = [{"iteration": i, "sample_keep_dynamic": 0.5, "flops_core_fwd": 1.0,
+             "flops_dynamic_fwd": 3.0} for i in range(1, 11)]
+    ratio = C.predicted_flops(recs, 2)
+    assert 0.5 < ratio < 1.0
+    assert C.predicted_flops(recs, 20) is None  # no steady record
