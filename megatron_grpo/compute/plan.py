@@ -66,7 +66,9 @@ class SampledBackward:
             want = c.sample_max_keep if want is None else want
             self.ratios[i] = 1.0 if (tier == "core" or not tiered) else \
                 min(c.sample_max_keep, max(c.sample_min_keep, want))
-        self.measuring = iteration % c.sample_interval == 0
+        # Only the sampled path measures; without it the step must not pay the collective
+        # (same value on every rank: config, tiering and iteration agree).
+        self.measuring = c.sampled_backward and tiered and iteration % c.sample_interval == 0
         self.flops.reset()
         self._digest = None
 

@@ -87,7 +87,8 @@ def grpo_hooks(cfg):
     def after_step(iteration):
         state["ctrl"].end_step()  # reads a held stable gradient: before the storage goes
         if state["compute"] is not None:
-            state["compute"].end_step(state["ctrl"].layout.sum_over_replica)
+            with state["ctrl"].counter.tag("grpo_control"):  # the keep-ratio measurement
+                state["compute"].end_step(state["ctrl"].layout.sum_over_replica)
         storages = grad_storages()
         if storages:
             # The step has consumed the shards: no gradient memory until the next backward.

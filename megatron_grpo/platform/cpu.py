@@ -281,6 +281,10 @@ def _patch_megatron_rng() -> None:
 
 
 # On the CPU path, install the filters as soon as this module is imported: the training entry and
-# examples import megatron_grpo.platform before anything imports megatron-core.
+# examples import megatron_grpo.platform before anything imports megatron-core. The deferred
+# torch.compile too: megatron's import-time decorations cost ~2 s per process otherwise.
 if _cpu_path_expected():
     silence_fallback_warnings()
+    from megatron_grpo.platform import deferred_compile
+
+    deferred_compile.install()

@@ -4,6 +4,7 @@ process: the probabilities, the variance budget, unbiasedness of the weight and 
 (and that the check catches a biased estimator), core left to megatron's function bit for bit,
 gradient-accumulation fusion's dummy-gradient protocol, and the FLOP count."""
 
+import dataclasses
 import math
 
 import pytest
@@ -205,7 +206,9 @@ def test_keep_ratios_follow_the_measured_budget_within_floor_and_ceiling():
                      sample_interval=5)
     plan = SampledBackward(cfg, 3, slice(0, 3), seed=1, dp_rank=0)
     plan.begin_step(5, ["core", "core", "core"], tiered=False)
-    assert plan.measuring and plan.ratios == [1.0, 1.0, 1.0]
+    assert not plan.measuring and plan.ratios == [1.0, 1.0, 1.0]  # nothing samples, nothing measured
+    plan.begin_step(5, ["dynamic", "dynamic", "dynamic"], tiered=True)
+    assert plan.measuring and plan.ratios == [0.9, 0.9, 0.9]  # the ceiling until measured
     for unit, want in enumerate((0.5, 0.05, 0.99)):
         plan.record(unit, want, 100)
     plan.end_step(lambda t: t)  # one rank: the sum is its own
@@ -223,6 +226,10 @@ def test_keep_ratios_follow_the_measured_budget_within_floor_and_ceiling():
     other.load_state_dict(saved)
     other.begin_step(11, ["dynamic", "dynamic", "stable"], tiered=True)
     assert other.ratios == plan.ratios
+    # Without --grpo-sampled-backward no step measures: no collective is paid for it.
+    off = SampledBackward(dataclasses.replace(cfg, sampled_backward=False), 3, slice(0, 3), 1, 0)
+    off.begin_step(10, ["dynamic", "dynamic", "stable"], tiered=True)
+    assert not off.measuring
     with pytest.raises(ValueError, match="--grpo-bucket-mb"):
         SampledBackward(cfg, 4, slice(0, 4), 1, 0).load_state_dict(saved)
 
