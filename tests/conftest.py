@@ -84,6 +84,12 @@ SLOW = {
     # Margin under the 15 minutes (the suite measured 895 s without these two).
     "multinode/test_slurm_faults.py::test_rendezvous_that_cannot_complete_fails_clearly": "test_checkpoints_on_several_nodes_need_a_shared_filesystem",  # 24
     "multiproc/test_weight_check.py::test_clean_tp2_dp2_run_records_weight_hash_ok": "its flipped-bit tp case",  # 10
+    # Room for the sampled backward's tests (2026-12-05; seconds measured after the deferred
+    # torch.compile, megatron_grpo/platform/deferred_compile.py).
+    "multiproc/test_planner_measured.py::test_step_peak_within_5_percent_gradient_and_residual_bytes_exact[release_w1_int8]": "its release_1mb case",  # 4.5
+    "multiproc/test_planner_measured.py::test_grpo_tier_bytes_predicted_exactly_from_the_run_tiers[grpo_core_int8]": "its grpo case, test_core_compressor::test_copies_identical_and_core_bytes_int8",  # 4.3
+    "multiproc/test_planner_measured.py::test_model_state_memory_within_10_percent[llama_bf16]": "its grpo_bf16 and llama cases",  # 4.4
+    "multiproc/test_reshard.py::test_resume_at_the_same_size_is_still_exact_and_says_nothing": "test_checkpoint::test_resume_is_bit_identical, test_grpo resume",  # 4.9
 }
 
 
