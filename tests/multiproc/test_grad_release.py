@@ -48,7 +48,11 @@ def test_warmup_peak_is_units_in_flight_plus_shards(stdlib_data, tmp_path):
     window = 1
     args = [stdlib_data, *ONE_MICROBATCH, "--grpo-grad-units-in-flight", str(window),
             "--grpo-warmup-iters", "8"]
-    on, off = _pair(tmp_path, "w", 2, args, iters=8)
+    # Release against megatron's own buffer is checked bit for bit by the cases above; here
+    # the two places a sync can start are compared with each other.
+    on = train_and_read(tmp_path, "w_on", 2, [
+        *SMALL_MODEL, *GRPO_SMALL, "--data-path", *args, "--train-iters", "8",
+        "--eval-interval", "1000"], timeout=600)
     whole, largest = on[0]["grad_bytes_whole_buffer"], on[0]["grad_bytes_largest_bucket"]
     for r in on:
         assert r["grad_bytes_peak"] <= whole / 2 + (window + 1) * largest, r
@@ -59,7 +63,7 @@ def test_warmup_peak_is_units_in_flight_plus_shards(stdlib_data, tmp_path):
     assert late[0]["grad_bytes_peak"] == whole
     assert all(r["grad_bytes_peak"] < 0.75 * whole for r in late[1:])
     # Where the syncs start changes no bit.
-    assert [r["loss"] for r in on] == [r["loss"] for r in off] == [r["loss"] for r in late]
+    assert [r["loss"] for r in on] == [r["loss"] for r in late]
 
 
 def test_pipeline_stages_release_bit_identically(stdlib_data, tmp_path):
