@@ -7,6 +7,7 @@ it returns the path so callers can embed it in docs/benchmarks.md.
 from __future__ import annotations
 
 import os
+import re
 from typing import Dict, List, Sequence
 
 import matplotlib
@@ -56,12 +57,26 @@ def loss_curves(runs: Dict[str, List[Dict]], path: str, title: str) -> str:
     return _save(fig, path)
 
 
+def run_styles(labels: Sequence[str]) -> Dict[str, Dict]:
+    """One colour per contender and one line style per seed, for labels ``"NAME sSEED"``: with
+    more runs than the colour cycle has colours, two contenders would otherwise share one."""
+    split = {label: (label.rpartition(" s")[0], label.rpartition(" s")[2])
+             if re.search(r" s\d+$", label) else (label, "") for label in labels}
+    names = list(dict.fromkeys(n for n, _ in split.values()))
+    seeds = list(dict.fromkeys(sd for _, sd in split.values()))
+    cmap = plt.get_cmap("tab10" if len(names) <= 10 else "tab20")
+    dashes = ["-", "--", ":", "-."]
+    return {label: {"color": cmap(names.index(n) % cmap.N), "linestyle": dashes[seeds.index(sd) % 4]}
+            for label, (n, sd) in split.items()}
+
+
 def val_vs_time(curves: Dict[str, List[List[float]]], path: str, title: str) -> str:
     """Validation loss against seconds of training steps, one line per run."""
     fig, ax = plt.subplots(figsize=(8, 4.5))
+    styles = run_styles(list(curves))
     for label, pts in curves.items():
         if pts:
-            ax.plot(*zip(*pts), marker="o", ms=3, lw=1, label=label)
+            ax.plot(*zip(*pts), marker="o", ms=3, lw=1, label=label, **styles[label])
     ax.set(title=f"{title}: validation loss against wall-clock", xlabel="seconds of training steps",
            ylabel="validation loss")
     ax.grid(alpha=0.3)

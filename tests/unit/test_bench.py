@@ -394,3 +394,13 @@ def test_comm_suite_sets_megatrons_bf16_reduce_scatter_and_gpu_shaped_bytes_besi
     assert rows["grpo-powersgd"][gpu:gpu + 2] == ["-", "-"]  # the planner does not model it
     assert saved["data"]["gpu_shaped_bytes"]["grpo-int4"]["fp32"] == (853_902.4 + 468_232) / 2
     assert any("all-int4 0.468 MB (counted 0.800)" in n for n in saved["notes"])
+
+
+def test_runs_of_one_contender_share_a_colour_and_seeds_a_line_style():
+    """14 runs (7 contenders x 2 seeds) on the 10-colour cycle: no two contenders share one."""
+    labels = [f"{n} s{seed}" for seed in (1234, 4321) for n in "abcdefg"]
+    st = plots.run_styles(labels)
+    assert len({st[f"{n} s1234"]["color"] for n in "abcdefg"}) == 7
+    assert all(st[f"{n} s1234"]["color"] == st[f"{n} s4321"]["color"] for n in "abcdefg")
+    assert {st[f"a s{seed}"]["linestyle"] for seed in (1234, 4321)} == {"-", "--"}
+    assert plots.run_styles(["baseline"])["baseline"]["linestyle"] == "-"  # a label without a seed
