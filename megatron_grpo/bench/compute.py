@@ -99,11 +99,11 @@ def _steady(records: List[Dict], key: str, start: int) -> Optional[float]:
     return _mean(r.get(key) for r in records if r["iteration"] > start)
 
 
-def predicted_flops(records: List[Dict], start: int, sample_dgrad: bool) -> Optional[float]:
+def predicted_flops(records: List[Dict], start: int) -> Optional[float]:
     """The planner's FLOPs ratio (megatron_grpo.planner.compute) for the run's tier map (its
-    forward FLOPs below core), its mean keep ratio and whether it samples data gradients
-    (--grpo-sample-dgrad); the run's own count also sees the zero rows that sampled data
-    gradients pass down, which the planner leaves out."""
+    forward FLOPs below core), its mean keep ratio and whether it sampled data gradients (its
+    counted data-gradient FLOPs below core under its forward's); the run's own count also sees
+    the zero rows that sampled data gradients pass down, which the planner leaves out."""
     from megatron_grpo.planner.compute import predict
     from megatron_grpo.planner.plan import ModelSpec
 
@@ -114,6 +114,8 @@ def predicted_flops(records: List[Dict], start: int, sample_dgrad: bool) -> Opti
     below = statistics.mean((fwd(r, "dynamic") + fwd(r, "stable")) /
                             (fwd(r, "core") + fwd(r, "dynamic") + fwd(r, "stable")) for r in steady)
     keep = statistics.mean(r["sample_keep_dynamic"] for r in steady)
+    sample_dgrad = any(r.get("flops_dynamic_dgrad", 0.0) + r.get("flops_stable_dgrad", 0.0)
+                       < fwd(r, "dynamic") + fwd(r, "stable") for r in steady)
     # launch/configs/compute.yaml on 2 ranks: 2 samples of 256 tokens per rank and step.
     model = ModelSpec(num_layers=2, hidden=512, heads=8, vocab=258, seq_length=256, micro_batch_size=2)
     return predict(model, tokens=512, below_core_share=below, keep=keep,
@@ -143,8 +145,7 @@ def run(args, command: str) -> SuiteResult:
         reached = [t for t in times if t is not None]
         res.rows.append([
             c.name, F.fmt(_mean(flops), ".3f", "x"),
-            F.fmt(_mean(predicted_flops(recs[s], start, "--grpo-sample-dgrad" in c.flags)
-                        for s in seeds), ".3f", "x"), F.fmt(keep, ".2f"),
+            F.fmt(_mean(predicted_flops(recs[s], start) for s in seeds), ".3f", "x"), F.fmt(keep, ".2f"),
             F.fmt(grid.mean(c.name, "steady_fwd_bwd_time_ratio"), ".3f"),
             F.fmt(grid.mean(c.name, "steady_step_time_ratio"), ".3f"),
             F.fmt(_mean(grid.summaries[c.name][s]["val_loss"] for s in seeds), ".4f"),

@@ -60,8 +60,8 @@ def loss_curves(runs: Dict[str, List[Dict]], path: str, title: str) -> str:
 def run_styles(labels: Sequence[str]) -> Dict[str, Dict]:
     """One colour per contender and one line style per seed, for labels ``"NAME sSEED"``: with
     more runs than the colour cycle has colours, two contenders would otherwise share one."""
-    split = {label: (label.rpartition(" s")[0], label.rpartition(" s")[2])
-             if re.search(r" s\d+$", label) else (label, "") for label in labels}
+    split = {label: (m.group(1), m.group(2)) if (m := re.fullmatch(r"(.*) s(\d+)", label))
+             else (label, "") for label in labels}
     names = list(dict.fromkeys(n for n, _ in split.values()))
     seeds = list(dict.fromkeys(sd for _, sd in split.values()))
     cmap = plt.get_cmap("tab10" if len(names) <= 10 else "tab20")

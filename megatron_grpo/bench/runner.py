@@ -264,8 +264,11 @@ class Runner:
         note = (f"machine load (5-min average at the end of each run): {min(loads):.1f}-"
                 f"{max(loads):.1f} on {cores} cores")
         if max(loads) > cores:
-            note += ("; above the core count, so other jobs shared the CPU and step times are "
-                     "not comparable between runs (bytes and losses are unaffected)")
+            # The run's own ranks and their helper threads count too: a 2-rank run alone
+            # measured ~3 on 2 cores, so a high load does not by itself mean another job.
+            note += ("; above the core count, so threads waited for a core (the runs' own or "
+                     "other jobs') and step times are not comparable between runs (bytes and "
+                     "losses are unaffected)")
         return note
 
     @staticmethod

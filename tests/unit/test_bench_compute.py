@@ -35,15 +35,16 @@ def test_a_slowed_step_does_not_decide_the_race_but_a_slower_phase_does():
 
 
 def test_the_planners_flops_for_a_runs_tier_map_and_keep_ratio():
-    recs = [{"iteration": i, "sample_keep_dynamic": 0.5, "flops_core_fwd": 1.0,
-             "flops_dynamic_fwd": 3.0} for i in range(1, 11)]
+    def run(dgrad):  # the run's counted data-gradient FLOPs below core
+        return [{"iteration": i, "sample_keep_dynamic": 0.5, "flops_core_fwd": 1.0,
+                 "flops_dynamic_fwd": 3.0, "flops_dynamic_dgrad": dgrad} for i in range(1, 11)]
     from megatron_grpo.planner.compute import predict
     from megatron_grpo.planner.plan import ModelSpec
 
     model = ModelSpec(num_layers=2, hidden=512, heads=8, vocab=258, seq_length=256, micro_batch_size=2)
-    both, weights = C.predicted_flops(recs, 2, True), C.predicted_flops(recs, 2, False)
+    both, weights = C.predicted_flops(run(1.5), 2), C.predicted_flops(run(3.0), 2)
     assert both == predict(model, 512, below_core_share=0.75, keep=0.5, sample_dgrad=True)["ratio"]
     # Weight gradients only: the data gradients stay exact, so the prediction is higher.
     assert weights == predict(model, 512, below_core_share=0.75, keep=0.5, sample_dgrad=False)["ratio"]
     assert 0.5 < both < weights < 1.0
-    assert C.predicted_flops(recs, 20, True) is None  # no steady record
+    assert C.predicted_flops(run(3.0), 20) is None  # no steady record
