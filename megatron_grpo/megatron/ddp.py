@@ -141,7 +141,10 @@ class GRPODistributedDataParallel(DistributedDataParallel):
         def forward_hook(module, args, kwargs, output):
             params = list(module.__dict__.get("_grpo_direct_params", ()))
             for a in (*args, *kwargs.values()):
-                if isinstance(a, torch.nn.Parameter) and a in storage.of_param and a not in params:
+                # By identity: a list's ``in`` compares tensors with ``==``, which raises for two
+                # parameters of different shapes (a tied head called with its weight and a bias).
+                if isinstance(a, torch.nn.Parameter) and a in storage.of_param \
+                        and all(a is not q for q in params):
                     params.append(a)
             if not params:
                 return None

@@ -223,3 +223,45 @@ def test_fused_wgrad_through_a_shared_weight_finds_its_storage_allocated():
     x = w[tokens]
     ((x @ w.t()) * upstream).sum().backward()
     assert torch.allclose(grad.view(7, 4), w.grad, atol=1e-6)
+
+
+def test_tied_head_with_a_bias_runs_its_first_forward():
+    """A BERT/T5-style head: it owns a bias and is called with the tied word embedding's weight.
+    The forward hook gathers the parameters a module is called with; gathering them with a
+    list's ``in`` compared the weight [7, 4] with the bias [7] by ``==`` and raised."""
+    from megatron_grpo.megatron.ddp import GRPODistributedDataParallel
+
+    emb = torch.nn.Embedding(7, 4)
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bias = torch.nn.Parameter(torch.zeros(7))
+
+        def forward(self, x, weight=None):
+            return x @ weight.t() + self.bias
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = emb
+            self.head = Head()
+
+        def forward(self, tokens):
+            return self.head(self.embedding(tokens), weight=self.embedding.weight)
+
+    model = Model()
+    grad = torch.zeros(7 * 4 + 7)
+    emb.weight.main_grad = grad[:28]
+    model.head.bias.main_grad = grad[28:]
+    bucket = SimpleNamespace(grad_data=grad, params_list=[emb.weight, model.head.bias])
+    g = BucketGrads(bucket, 0, 1, [])
+    bucket.grpo_grads = g
+    storage = GradStorage(window=1)
+    storage.add(g)
+    storage.reset([bucket])
+    GRPODistributedDataParallel._grpo_pre_backward_hooks(SimpleNamespace(module=model), storage)
+    out = model(torch.tensor([1, 2, 3]))
+    assert out.shape == (3, 7)
+    out.sum().backward()
+    assert g.state == FULL  # the head's output gradient made the shared bucket resident
