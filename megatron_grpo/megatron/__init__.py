@@ -75,7 +75,12 @@ def grpo_hooks(cfg):
         dp = torch.distributed.get_world_size() // (tp * pp)
         plan.flops.other = attention_flops(m.num_layers // pp, cfg.training.global_batch_size // dp
                                            * m.seq_length, m.seq_length, m.hidden_size // tp)
-        state["compute"] = plan if sampled_linear.install(built.ddp_model, ctrl.units, plan) else None
+        # The plan is kept on every rank, wrapped layers or not: its end_step is a collective
+        # over every rank of the job, so a rank with no linear layer (a pipeline stage of the
+        # embedding alone) must enter it too. Its FLOP count is reported only where a layer
+        # counts (a TE model wraps none).
+        state["compute"] = plan
+        state["flops_counted"] = sampled_linear.install(built.ddp_model, ctrl.units, plan) > 0
         state["prefix"] = FrozenPrefix(built.ddp_model) if cfg.grpo.stable_frozen else None
         state["placement"] = build_placement(cfg.offload, built.optimizer, ctrl,
                                              torch.distributed.get_rank())
@@ -86,9 +91,8 @@ def grpo_hooks(cfg):
 
     def after_step(iteration):
         state["ctrl"].end_step()  # reads a held stable gradient: before the storage goes
-        if state["compute"] is not None:
-            with state["ctrl"].counter.tag("grpo_control"):  # the keep-ratio measurement
-                state["compute"].end_step(state["ctrl"].layout.sum_over_replica)
+        with state["ctrl"].counter.tag("grpo_control"):  # the keep-ratio measurement
+            state["compute"].end_step(state["ctrl"].layout.sum_over_replica)
         storages = grad_storages()
         if storages:
             # The step has consumed the shards: no gradient memory until the next backward.
@@ -104,8 +108,7 @@ def grpo_hooks(cfg):
     def before_step(iteration):
         ctrl = state["ctrl"]
         ctrl.begin_step(iteration)
-        if state["compute"] is not None:
-            state["compute"].begin_step(iteration + 1, ctrl.replica_tiers, ctrl.tiered)
+        state["compute"].begin_step(iteration + 1, ctrl.replica_tiers, ctrl.tiered)
         if state["prefix"] is not None:
             state["prefix"].begin_step()  # after the controller set this step's requires_grad
         if ctrl.left_local:
@@ -125,7 +128,7 @@ def grpo_hooks(cfg):
 
     def step_metrics(iteration, wire, step_time):
         rec = state["ctrl"].metrics(wire["by_tag"], step_time)
-        if state["compute"] is not None:
+        if state["flops_counted"]:
             rec.update(state["compute"].metrics())
         if state["prefix"] is not None:
             rec["frozen_prefix_layers"] = state["prefix"].cut
@@ -169,7 +172,7 @@ def grpo_hooks(cfg):
     def checkpoint_state():
         from megatron_grpo.megatron.reshard import gathered_param_steps
 
-        compute = state["compute"].state_dict() if state["compute"] is not None else None
+        compute = state["compute"].state_dict()
         return {**state["ctrl"].common_state(), "world_size": torch.distributed.get_world_size(),
                 "sampled_backward": compute,
                 "layout": parallel_layout(),
@@ -178,8 +181,7 @@ def grpo_hooks(cfg):
     def load_state(saved):
         state["saved"] = saved or {}  # load_rank_state compares its world size and layout
         state["ctrl"].load_common_state(saved)
-        if state["compute"] is not None:
-            state["compute"].load_state_dict((saved or {}).get("sampled_backward"))
+        state["compute"].load_state_dict((saved or {}).get("sampled_backward"))
 
     def rank_state():
         return {"controller": state["ctrl"].rank_state(),

@@ -296,7 +296,7 @@ def validate(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
                           f"got {m.position_embedding_type!r}")
     if m.rotary_base <= 0:
         raise ConfigError(f"--rotary-base must be a positive integer, got {m.rotary_base}")
-    if m.num_layers % p.pipeline_model_parallel_size:
+    if p.pipeline_model_parallel_layout is None and m.num_layers % p.pipeline_model_parallel_size:
         raise ConfigError(f"--num-layers ({m.num_layers}) must be divisible by "
                           f"--pipeline-model-parallel-size ({p.pipeline_model_parallel_size})")
     if m.max_position_embeddings is not None and m.max_position_embeddings < m.seq_length:

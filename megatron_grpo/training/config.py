@@ -72,6 +72,11 @@ class ParallelConfig:
     """Tensor model parallel size (TP)."""
     pipeline_model_parallel_size: int = 1
     """Pipeline model parallel size (PP)."""
+    pipeline_model_parallel_layout: Optional[str] = None
+    """megatron's layout of layers over pipeline stages, e.g. ``"E|t*4,L"`` (stage 0: the
+    embedding alone; stage 1: four transformer layers and the loss); stages are separated by
+    ``|``. Default: --num-layers split evenly, the embedding on the first stage and the output
+    layer on the last."""
     ddp_bucket_size: Optional[int] = None
     """Elements per DDP gradient bucket; default megatron's max(4e7, 1e6 * dp)."""
     sequence_parallel: bool = False

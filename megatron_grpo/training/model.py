@@ -63,6 +63,7 @@ def transformer_config(cfg: PretrainConfig, platform: Platform, settings=None):
         ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        pipeline_model_parallel_layout=p.pipeline_model_parallel_layout,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=cfg.training.bf16,

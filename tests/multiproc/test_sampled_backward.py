@@ -84,3 +84,18 @@ def test_resume_with_the_memory_tier_is_exact(stdlib_data, tmp_path):
     assert len(_sampled(full)) >= 5
     assert any(r.get("sample_keep_stable", 1.0) < 1.0 for r in full)
     stop_and_resume(tmp_path, 2, args, full, save_at=6)
+
+
+def test_a_stage_without_linear_layers_joins_the_measurement(stdlib_data, tmp_path):
+    """A pipeline stage of the embedding alone (megatron's layout "E|t*2,L") wraps no linear
+    layer. The keep-ratio measurement is a collective over every rank of the job: a stage that
+    skipped it left the other waiting at the first measuring step. Under a short collective
+    timeout and a process timeout, a skip fails the test instead of hanging the suite."""
+    recs = train_and_read(tmp_path, "pp2_layout", 2, _args(
+        stdlib_data, "--pipeline-model-parallel-size", "2",
+        "--pipeline-model-parallel-layout", "E|t*2,L", "--untie-embeddings-and-output-weights",
+        "--distributed-timeout-minutes", "1"), timeout=240)
+    assert [r["iteration"] for r in recs] == list(range(1, ITERS + 1))
+    # The last stage holds every linear layer and samples; its measurements came back summed.
+    assert len(_sampled(recs)) >= 5
+    assert recs[-1]["loss"] < recs[0]["loss"]
