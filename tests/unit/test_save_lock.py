@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import asdict, replace
 
@@ -73,7 +74,7 @@ def squeue(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
-    monkeypatch.setattr(save_lock, "_SEEN_LISTED", set(), raising=False)  # what squeue listed before
+    monkeypatch.delenv("SLURM_CLUSTER_NAME", raising=False)  # outside a SLURM job: nothing recorded
     return bin_dir
 
 
@@ -394,23 +395,42 @@ def test_a_slurm_job_squeue_never_listed_follows_the_heartbeat_rule(tmp_path, sq
         lock.release()
 
 
-def test_a_slurm_job_squeue_listed_before_and_lists_no_more_has_ended(tmp_path, squeue):
-    # This process saw the job listed (RUNNING: refused); squeue lists it no more: it ended, and
-    # its fresh lock is taken over at once. Another job id squeue never listed is not.
+def _later_job(root) -> str:
+    """What a job started later on ``root`` says at start. Its own process, as a resubmitted job's
+    rank 0 is: a run looks the owner up once, at start, so nothing of this process's memory may
+    count. Same environment (this test's squeue on PATH, SLURM variables)."""
+    code = ("import sys\n"
+            "from megatron_grpo.training.safety.save_lock import SaveLock, SaveLockError\n"
+            "lock = SaveLock(sys.argv[1])\n"
+            "try:\n"
+            "    print(lock.acquire())\n"
+            "except SaveLockError as exc:\n"
+            "    print(f'refused: {exc}')\n"
+            "lock.release()\n")
+    done = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True,
+                          timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_a_slurm_job_squeue_listed_to_an_earlier_job_and_lists_no_more_has_ended(tmp_path, squeue, monkeypatch):
+    # A job started while the owner ran is refused (squeue: RUNNING). The owner then dies without
+    # removing its lock, and the job resubmitted after it finds squeue no longer lists it: ended,
+    # and its lock, refreshed 2 minutes ago, is taken over at once instead of after STALE_AFTER_S.
+    monkeypatch.setenv("SLURM_CLUSTER_NAME", "hpc1")
     owner = _owner_of(os.getpid(), host="node-b17")
     path = _write(tmp_path, owner)
     _fake_squeue(squeue, "RUNNING\\n")
     with pytest.raises(SaveLockError, match=r"SLURM job 4242 is RUNNING \(squeue\)"):
         SaveLock(str(tmp_path)).acquire()
     _fake_squeue(squeue, "")
-    lock = SaveLock(str(tmp_path))
-    try:
-        assert lock.acquire() == (f"WARNING: --save {tmp_path}: took over {path}, left by {owner.describe()}: "
-                                  f"owner on host node-b17: SLURM job 4242 has ended (squeue: not listed, "
-                                  f"listed earlier by this process). That job can no longer save here.")
-        assert _token(path) == lock.me.token
-    finally:
-        lock.release()
+    _age(path, 120)
+    assert _later_job(tmp_path) == (
+        f"WARNING: --save {tmp_path}: took over {path}, left by {owner.describe()}: owner on host node-b17: "
+        f"SLURM job 4242 has ended (squeue: not listed, listed earlier to user {os.getuid()} on cluster "
+        f"hpc1). That job can no longer save here.")
+    assert not os.path.exists(path)  # the later job released it
+    # A job id squeue never listed here may only be invisible: the heartbeat rule.
     other = replace(owner, job="4243")
     path = _write(tmp_path, other, age_s=120)
     with pytest.raises(SaveLockError, match="SLURM job 4243 not listed by squeue"):
@@ -419,3 +439,34 @@ def test_a_slurm_job_squeue_listed_before_and_lists_no_more_has_ended(tmp_path, 
     assert open(squeue / "squeue.calls").read().split("\n") == [
         "--noheader --jobs 4242 --format %T", "--noheader --jobs 4242 --format %T",
         "--noheader --jobs 4243 --format %T", ""]
+
+
+@pytest.mark.parametrize("first,later", [("hpc1", "hpc2"), ("", "hpc1"), ("hpc1", "")])
+def test_a_listing_counts_only_for_the_same_cluster(tmp_path, squeue, monkeypatch, first, later):
+    # Another cluster on the same filesystem asks its own controller, which never shows this
+    # cluster's jobs. Outside a SLURM job the cluster is unknown: nothing recorded, nothing relied on.
+    owner = _owner_of(os.getpid(), host="node-b17")
+    path = _write(tmp_path, owner, age_s=120)
+    _fake_squeue(squeue, "RUNNING\\n")
+    monkeypatch.setenv("SLURM_CLUSTER_NAME", first)
+    with pytest.raises(SaveLockError, match=r"SLURM job 4242 is RUNNING \(squeue\)"):
+        SaveLock(str(tmp_path)).acquire()
+    assert os.path.exists(tmp_path / save_lock.LISTED_NAME) == bool(first)
+    _fake_squeue(squeue, "")
+    monkeypatch.setenv("SLURM_CLUSTER_NAME", later)
+    with pytest.raises(SaveLockError, match=r"SLURM job 4242 not listed by squeue .* refreshed \d+ s ago"):
+        SaveLock(str(tmp_path)).acquire()
+    assert _token(path) == owner.token
+
+
+def test_the_listing_record_keeps_the_newest_jobs(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_CLUSTER_NAME", "hpc1")
+    (tmp_path / save_lock.LISTED_NAME).write_text("{not json")  # unreadable: started afresh
+    for job in range(100, 100 + save_lock.LISTED_KEEP + 1):
+        save_lock.note_listed(str(tmp_path), str(job))
+    save_lock.note_listed(str(tmp_path), "101")  # listed again: the newest
+    jobs = json.load(open(tmp_path / ".megatron_grpo_squeue_listed.json"))[f"hpc1:{os.getuid()}"]
+    assert len(jobs) == save_lock.LISTED_KEEP and jobs[-1] == "101" and "100" not in jobs
+    assert save_lock.listed_before(str(tmp_path), "102") and not save_lock.listed_before(str(tmp_path), "100")
+    monkeypatch.setenv("SLURM_CLUSTER_NAME", "hpc2")
+    assert not save_lock.listed_before(str(tmp_path), "102")

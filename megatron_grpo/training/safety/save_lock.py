@@ -28,10 +28,12 @@ up, hence the rules:
   node's;
 * before that, an owner that was a SLURM job (not this one) is looked up with squeue: one it
   lists as ended is taken over at once, one it lists otherwise (running, pending, suspended) is
-  refused. One it does not list counts as ended only if squeue listed it to this process before;
-  else it may just be invisible from here (a job of another cluster on the same filesystem,
-  another user's under PrivateData=jobs) and the heartbeat rule decides, as it does where squeue
-  cannot be asked;
+  refused. One it does not list counts as ended only if squeue listed it before to a job of the
+  same user on the same cluster (``LISTED_NAME`` in D records that; a job looks the owner up once,
+  at start, so the record must outlive it: typically the job refused while the owner ran is
+  resubmitted after it died); else it may just be invisible from here (a job of another cluster
+  on the same filesystem, another user's under PrivateData=jobs) and the heartbeat rule decides,
+  as it does where squeue cannot be asked;
 * a lock that cannot be read (not ours: a partial write is impossible, see below) follows the
   heartbeat rule on its mtime;
 * a requeued SLURM job (same SLURM_JOB_ID, higher SLURM_RESTART_COUNT) takes over its earlier
@@ -139,9 +141,54 @@ def _restart_count() -> int:
     return int(text) if text.isdigit() else 0
 
 
-_SEEN_LISTED: set = set()
-"""SLURM job ids squeue listed to this process: one it lists no more afterwards has ended (one
-never listed may only be invisible from here)."""
+LISTED_NAME = ".megatron_grpo_squeue_listed.json"
+"""In --save's directory: the SLURM job ids squeue listed, by cluster and user ({"cluster:uid":
+[job, ...]}). What squeue shows depends on both (another cluster's jobs, PrivateData=jobs), so a
+job it listed to this user on this cluster and lists no more has ended; one it never listed may
+only be invisible from here."""
+LISTED_KEEP = 64
+"""Job ids kept per cluster and user (the newest): the record only spares a wait, so it stays small."""
+
+
+def squeue_viewer() -> str:
+    """Whose view of squeue this process has: 'cluster:uid', or '' outside a SLURM job (the
+    cluster unknown, a record could come from another cluster's squeue on the same filesystem)."""
+    cluster = os.environ.get("SLURM_CLUSTER_NAME", "")
+    return f"{cluster}:{os.getuid()}" if cluster else ""
+
+
+def _read_listed(root: str) -> dict:
+    try:
+        with open(os.path.join(root, LISTED_NAME)) as fh:
+            record = json.load(fh)
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def listed_before(root: str, job: str) -> bool:
+    """Whether squeue listed SLURM job ``job`` to this cluster and user before (``note_listed``)."""
+    return bool(squeue_viewer()) and job in _read_listed(root).get(squeue_viewer(), [])
+
+
+def note_listed(root: str, job: str) -> None:
+    """Record that squeue lists ``job`` to this cluster and user, for later jobs on ``root``.
+    Best effort: a record lost (an unwritable directory, two jobs writing at once: the last
+    one's stays) only leaves a later job to the heartbeat rule."""
+    viewer = squeue_viewer()
+    if not viewer:
+        return
+    record = _read_listed(root)
+    jobs = [j for j in record.get(viewer, []) if isinstance(j, str) and j != job]
+    record[viewer] = (jobs + [job])[-LISTED_KEEP:]
+    path = os.path.join(root, LISTED_NAME)
+    tmp = f"{path}.{socket.gethostname()}.{os.getpid()}.new"
+    try:
+        with open(tmp, "w") as fh:
+            json.dump(record, fh)
+        os.replace(tmp, path)  # readers see the old record or the new one, never a part
+    except OSError:
+        pass
 
 
 def slurm_job_state(job: str) -> Optional[str]:
@@ -281,19 +328,20 @@ class SaveLock:
         if unshared:  # same host name, yet its pid cannot be looked up from this process
             whose += f", {unshared}"
         state = slurm_job_state(owner.job) if owner is not None and owner.job and owner.job != job else None
-        if state:
-            _SEEN_LISTED.add(owner.job)
-        elif state == "" and owner.job not in _SEEN_LISTED:
-            # Never listed to this process: ended, or invisible from here (another cluster's job
-            # on the same filesystem, another user's under PrivateData=jobs). Taking over a live
-            # job's lock stops it at its next save, so wait for the heartbeat rule.
+        if state:  # listed, in any state: a later job of this user here may rely on it
+            note_listed(self.root, owner.job)
+        elif state == "" and not listed_before(self.root, owner.job):
+            # Never listed to this user on this cluster: ended, or invisible from here (another
+            # cluster's job on the same filesystem, another user's under PrivateData=jobs). Taking
+            # over a live job's lock stops it at its next save, so wait for the heartbeat rule.
             state = None
             whose += (f", SLURM job {owner.job} not listed by squeue (ended, or not visible from here: "
                       f"another cluster's or another user's job)")
         if state is not None:  # SLURM knows whether that job still runs: no need to wait
             if state == "":
+                cluster, uid = squeue_viewer().rsplit(":", 1)
                 return True, (f"{whose}: SLURM job {owner.job} has ended (squeue: not listed, listed "
-                              f"earlier by this process)")
+                              f"earlier to user {uid} on cluster {cluster})")
             if state in SLURM_ENDED:
                 return True, f"{whose}: SLURM job {owner.job} has ended (squeue: {state})"
             return False, f"{whose}: SLURM job {owner.job} is {state} (squeue)"
