@@ -12,6 +12,15 @@ copies of a tied weight on two pipeline stages keep the same ratio.
 The rows themselves are drawn from a generator seeded by (seed, iteration, backward call of the
 step, data-parallel rank): tensor-parallel ranks draw the same rows from the same probabilities,
 data-parallel ranks independent ones, and a resumed run draws what the uninterrupted one did.
+
+Data gradients (--grpo-sample-dgrad) are sampled only where no core unit lies below in the
+backward. A layer's data gradient is the input of the backward of everything its forward came
+after: every earlier pipeline stage, and every parameter used earlier in this stage's forward
+(the embedding first; with tied embeddings the output layer comes last, above everything). A
+sampled data gradient there would make those gradients noisy, core's included. The forward's
+order of parameter use is recorded once, at the first forward (``record_use``); a layer whose
+position has a core unit before it, or whose stage has one on an earlier stage, computes its
+data gradient exactly. So core gradients stay exact under every sampling flag.
 """
 
 from __future__ import annotations
@@ -48,6 +57,12 @@ class SampledBackward:
         self.calls = 0
         num_local = local.stop - local.start
         self._sums = torch.zeros(num_local, 2, dtype=torch.float64)
+        """Per unit: sum of (wanted ratio x rows) and of rows, on the device the layers measure on."""
+        self.forward_order: List[int] = []
+        """Local units in the order the first forward used their parameters (``record_use``)."""
+        self.order_recorded = False
+        self._dgrad_open: List[bool] = []
+        """Per position in ``forward_order``: no core unit below it this step."""
         self.measuring = False
         self.flops = FlopCount()
         self._digest: Optional[torch.Tensor] = None
@@ -71,6 +86,12 @@ class SampledBackward:
         self.measuring = c.sampled_backward and tiered and iteration % c.sample_interval == 0
         self.flops.reset()
         self._digest = None
+        # Earlier pipeline stages hold the global units before this stage's (replica.py).
+        open_ = not any(t == "core" for t in self.tiers[:self.local.start])
+        self._dgrad_open = [open_]
+        for unit in self.forward_order:
+            open_ = open_ and self.tier(unit) != "core"
+            self._dgrad_open.append(open_)
 
     def end_step(self, sum_over_replica: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """After the step: on a measuring step (the same on every rank: it follows the
@@ -99,14 +120,36 @@ class SampledBackward:
     def tier(self, local_unit: int) -> str:
         return self.tiers[self.local.start + local_unit]
 
-    def samples_dgrad(self, local_unit: int) -> bool:
-        """Whether this unit's data gradients are sampled (--grpo-sample-dgrad)."""
+    def samples_dgrad(self, local_unit: int, position: Optional[int]) -> bool:
+        """Whether the data gradient of a layer of this unit is sampled (--grpo-sample-dgrad):
+        its tier asks for it and no core unit is below ``position`` (the layer's place in
+        ``forward_order``; None before the order is recorded: exact)."""
         mode, tier = self.config.sample_dgrad, self.tier(local_unit)
-        return self.keep(local_unit) < 1.0 and (mode == "below-core" or (mode == "stable" and tier == "stable"))
+        wanted = self.keep(local_unit) < 1.0 and (mode == "below-core" or (mode == "stable" and tier == "stable"))
+        if not wanted or position is None or not self.order_recorded:
+            return False
+        return self._dgrad_open[min(position, len(self._dgrad_open) - 1)]
 
-    def record(self, local_unit: int, wanted: float, rows: int) -> None:
-        """One layer's measurement on a measuring step: the keep ratio its rows needed."""
-        self._sums[local_unit, 0] += wanted * rows
+    # ------------------------------------------------------------------ forward order
+    def record_use(self, local_units) -> None:
+        """The first forward used these units' parameters next (sampled_linear's hooks)."""
+        if not self.order_recorded:
+            self.forward_order.extend(local_units)
+
+    def position(self) -> int:
+        """Where the first forward is now: how many uses came before."""
+        return len(self.forward_order)
+
+    def end_recording(self) -> None:
+        self.order_recorded = True
+
+    def record(self, local_unit: int, wanted: torch.Tensor, rows: torch.Tensor) -> None:
+        """One layer's measurement on a measuring step: the keep ratio its rows needed. Both are
+        device tensors, summed on the device: no host synchronisation per layer."""
+        wanted, rows = torch.as_tensor(wanted), torch.as_tensor(rows)
+        if self._sums.device != wanted.device:
+            self._sums = self._sums.to(wanted.device)
+        self._sums[local_unit, 0] += wanted.double() * rows
         self._sums[local_unit, 1] += rows
 
     def generator(self, device: torch.device) -> torch.Generator:

@@ -28,6 +28,8 @@ functions (``_Linear``; a delayed wgrad only with ``overlap_moe_expert_parallel_
 from __future__ import annotations
 
 import math
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
@@ -51,6 +53,9 @@ class Site:
         """Column-parallel: dy's features are sliced over TP; row-parallel: x's are."""
         self.tp_group = tp_group
         self.tp = dist.get_world_size(tp_group) if tp_group is not None and dist.is_initialized() else 1
+        self.position: Optional[int] = None
+        """Where the first forward called this layer with this unit's weight (its latest such
+        call: the most below it); the plan's data-gradient rule reads it."""
 
     def keep(self) -> float:
         return self.plan.keep(self.unit)
@@ -124,18 +129,22 @@ class _SampledLinear(torch.autograd.Function):
             x_sq = site.sync_norms(x_sq)
         leverage = (dy_sq * x_sq).sqrt()
         if plan.measuring:
-            plan.record(site.unit, sampler.keep_for_budget(leverage, plan.config.sample_variance_budget),
-                        int((leverage > 0).sum()))
+            # Device tensors, summed on the device: the host never waits on the backward here.
+            plan.record(site.unit, sampler.keep_ratio_for_budget(leverage, plan.config.sample_variance_budget),
+                        (leverage > 0).sum())
         generator = plan.generator(dy.device)
+        count = sampler.draw_count(rows, keep)  # fixed before the draw: no data-dependent shape
 
         # Data gradient: every row (megatron's), or the rows kept by |dy_i|.
-        if plan.samples_dgrad(site.unit):
-            d_kept, d_weight = sampler.draw(_probabilities(site, dy_sq.sqrt(), keep), generator)
+        if plan.samples_dgrad(site.unit, site.position):
+            d_kept, d_weight = sampler.draw(_probabilities(site, dy_sq.sqrt(), keep), generator, count)
             plan.note_rows(d_kept)
             grad_flat = torch.zeros((rows, fan_in), dtype=dy.dtype, device=dy.device)
             part = (dy.index_select(0, d_kept) * d_weight.to(dy.dtype).unsqueeze(1)).matmul(weight)
-            grad_flat.index_copy_(0, d_kept, part)
-            dgrad_rows = int(d_kept.numel())
+            # index_add_: a phantom draw lands on row N-1 with weight 0, possibly beside a real
+            # draw of that row; adding keeps the real one.
+            grad_flat.index_add_(0, d_kept, part)
+            dgrad_rows = count
         else:
             grad_flat = dy.matmul(weight)
             dgrad_rows = rows
@@ -150,13 +159,13 @@ class _SampledLinear(torch.autograd.Function):
                                                 group=ctx.tp_group, async_op=True)
 
         # Weight gradient from the rows kept by leverage |dy_i| |x_i|, reweighted by 1/p.
-        kept, w = sampler.draw(_probabilities(site, leverage, keep), generator)
+        kept, w = sampler.draw(_probabilities(site, leverage, keep), generator, count)
         plan.note_rows(kept)
         dy_s = dy.index_select(0, kept) * w.to(dy.dtype).unsqueeze(1)
         x_s = x.index_select(0, kept)
         grad_weight = _weight_gradient(ctx, weight, dy_s, x_s, input.dtype)
         grad_bias = dy.sum(dim=0) if ctx.use_bias else None
-        site.count(rows, fan_in, fan_out, int(kept.numel()), dgrad_rows)
+        site.count(rows, fan_in, fan_out, count, dgrad_rows)
         if handle is not None:
             handle.wait()
         grad = sub_grad_input if ctx.sequence_parallel else grad_input
@@ -204,6 +213,10 @@ def _wrap(original, sites: dict, unit_of: dict, plan: SampledBackward, column: b
         site = sites.get(unit)
         if site is None:
             site = sites[unit] = Site(plan, unit, column, tp_group_default)
+        if not plan.order_recorded:
+            # Its data gradient flows into every use recorded so far (its own module's included).
+            site.position = plan.position()
+            plan.record_use([unit] + ([unit_of[id(bias)]] if id(bias) in unit_of else []))
         exact = (not plan.samples(unit) or not weight.requires_grad or grad_output_buffer is not None
                  or any(rest.get(k, v) != v for k, v in NEUTRAL_KWARGS.items()))
         if exact:
@@ -243,6 +256,7 @@ def install(ddp_chunks: list, units: list, plan: SampledBackward) -> int:
 
     unit_of = {id(p): u.index for u in units for p in u.params}
     wrapped = 0
+    _record_forward_order(ddp_chunks, unit_of, plan)
     for chunk in ddp_chunks:
         named = list(chunk.module.named_modules())
         if plan.config.sampled_backward:
@@ -255,3 +269,27 @@ def install(ddp_chunks: list, units: list, plan: SampledBackward) -> int:
                                          isinstance(module, ColumnParallelLinear), group)
             wrapped += 1
     return wrapped
+
+
+def _record_forward_order(ddp_chunks: list, unit_of: dict, plan: SampledBackward) -> None:
+    """Hooks that record, in the first forward, which units' parameters each module uses in
+    turn (a module's own parameters, before it runs; the wrapped layers add the weight they are
+    called with), then remove themselves. One model chunk per rank (no virtual pipeline here),
+    so the recorded order is this stage's forward."""
+    handles = []
+
+    def before(module, args):
+        units = [unit_of[id(p)] for p in module.parameters(recurse=False) if id(p) in unit_of]
+        if units:
+            plan.record_use(units)
+
+    def after(module, args, output):
+        plan.end_recording()
+        for h in handles:
+            h.remove()
+
+    for chunk in ddp_chunks:
+        for module in chunk.module.modules():
+            if any(id(p) in unit_of for p in module.parameters(recurse=False)):
+                handles.append(module.register_forward_pre_hook(before))
+        handles.append(chunk.module.register_forward_hook(after))

@@ -71,6 +71,7 @@ class _Plan(SampledBackward):
                          sample_max_keep=keep)
         super().__init__(cfg, 1, slice(0, 1), seed=7, dp_rank=0)
         self.wanted = [keep]
+        self.end_recording()  # a forward of nothing: no unit below the layer
         self.begin_step(1, [tier], tiered=True)
 
 
@@ -84,6 +85,7 @@ def _layer(seed=0, rows=(24, 2), fan_in=16, fan_out=12):
 
 def _sampled_grads(plan, x, w, dy, bias=None):
     site = SL.Site(plan, 0, column=True, tp_group=None)
+    site.position = 0  # the first use of the forward: nothing below it
     xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
     out = SL._SampledLinear.apply(xi, wi, bias, False, False, False, None, site)
     out.backward(dy)
@@ -279,3 +281,39 @@ def test_te_layers_are_refused_naming_the_layer_and_the_way_out():
     off = _Plan()
     off.config.sampled_backward = False  # FLOPs counting only: nothing to refuse, nothing wrapped
     assert SL.install([chunk], [], off) == 0
+
+
+_HOST_SYNCS = ("_local_scalar_dense", "item", "is_nonzero", "nonzero", "masked_select", "equal")
+"""aten ops that make the host wait for the device (a value or a data-dependent shape)."""
+
+
+def _host_syncs_in(fn):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] in _HOST_SYNCS:
+                seen.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return seen
+
+
+def test_a_sampled_backward_never_waits_on_the_device():
+    """Per layer and micro-batch, the draw, the reweighting, the measurement and the digest stay
+    on the device: on a GPU an item(), nonzero or a shape that depends on the draw stalls the
+    host behind the backward's kernels, layer after layer. The counter says "bad" on an op that
+    syncs, and counts none in a whole sampled backward, weight and data gradients, measuring."""
+    assert _host_syncs_in(lambda: (torch.nonzero(torch.ones(3)), float(torch.ones(())))) \
+        == ["nonzero", "_local_scalar_dense"]
+    x, w, dy = _layer(5)
+    plan = _Plan(keep=0.3, dgrad="below-core")
+    plan.begin_step(2, ["dynamic"], tiered=True)
+    plan.measuring = True
+    assert _host_syncs_in(lambda: _sampled_grads(plan, x, w, dy)) == []
+    assert float(plan._sums[0, 1]) == 48  # the measurement was taken (all 48 rows live)
+    plan.end_step(lambda t: t)  # one sync per measuring step, after the step: allowed
