@@ -3,10 +3,14 @@ way, importance -> tiers -> per-tier policy -> megatron glue / training -> tools
 imports back up that flow, at module level or inside a function. Each part of the package may
 import only the parts ALLOWED lists (a whitelist: a new arrow is a decision, made here).
 training/ and megatron/ are linked only by the hooks (megatron_grpo/hooks.py); the launcher
-picks them (megatron_grpo.megatron.run_hooks). The package never reaches into tests/ or launch/."""
+picks them (megatron_grpo.megatron.run_hooks). The package never reaches into tests/ or launch/.
+A module's former name kept after a move (megatron_grpo.MOVED) is no part of the layout: it
+imports its new module and nothing else."""
 
 import ast
 import os
+
+from megatron_grpo import MOVED
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -63,7 +67,7 @@ def part_of(module: str) -> str:
     return parts[1]
 
 
-def violations(root: str, package: str = "megatron_grpo"):
+def violations(root: str, package: str = "megatron_grpo", moved=MOVED):
     out = []
     for dirpath, _, files in os.walk(os.path.join(root, package)):
         for name in sorted(files):
@@ -71,6 +75,11 @@ def violations(root: str, package: str = "megatron_grpo"):
                 continue
             path = os.path.join(dirpath, name)
             module = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
+            if module in moved:  # a former name: its new module, and the package's helper
+                out += [f"{module}:{line} imports {target} (the former name of {moved[module]} "
+                        f"imports only that)" for target, line in _imports(path, module)
+                        if target not in (moved[module], package)]
+                continue
             part = part_of(module)
             for target, line in _imports(path, module):
                 top = target.split(".")
@@ -87,7 +96,8 @@ def test_every_part_of_the_package_has_a_rule():
     pkg = os.path.join(REPO, "megatron_grpo")
     names = {n[:-3] if n.endswith(".py") else n for n in os.listdir(pkg)
              if not n.startswith(("__", ".")) and (n.endswith(".py") or os.path.isdir(os.path.join(pkg, n)))}
-    assert names | {"grpo.controller", "training.safety"} == set(ALLOWED)
+    former = {m.split(".")[1] for m in MOVED if m.count(".") == 1}  # top-level old names
+    assert (names - former) | {"grpo.controller", "training.safety"} == set(ALLOWED)
 
 
 def test_no_import_runs_back_up_the_flow():
@@ -106,7 +116,9 @@ def test_the_check_finds_each_kind_of_arrow(tmp_path):
     (pkg / "comm" / "x.py").write_text(
         "import importlib.util, os\nimport harness\n"
         "spec = importlib.util.spec_from_file_location('p', os.path.join('r', 'launch', 'plan.py'))\n")
-    found = violations(str(tmp_path))
+    (pkg / "x.py").write_text("import megatron_grpo.comm.x\nfrom megatron_grpo import _moved\n"
+                              "from megatron_grpo.training import loop\n")
+    found = violations(str(tmp_path), moved={"megatron_grpo.x": "megatron_grpo.comm.x"})
     assert found == [
         "megatron_grpo.comm.x:2 uses harness",
         "megatron_grpo.comm.x:3 uses launch",
@@ -114,4 +126,6 @@ def test_the_check_finds_each_kind_of_arrow(tmp_path):
         "megatron_grpo.training.loop:2 imports megatron_grpo.megatron (training must not import megatron)",
         "megatron_grpo.training.safety.guard:1 imports megatron_grpo.training (training.safety must "
         "not import training)",
+        "megatron_grpo.x:3 imports megatron_grpo.training (the former name of megatron_grpo.comm.x "
+        "imports only that)",
     ]

@@ -1,0 +1,7 @@
+"""Former name of megatron_grpo.planner.capacity, kept for one release: importing it warns
+(DeprecationWarning) and gives that module."""
+
+import megatron_grpo.planner.capacity  # noqa: F401  (what this name now gives)
+from megatron_grpo import _moved
+
+_moved(__name__)
