@@ -20,6 +20,7 @@ import torch
 from megatron_grpo.comm.error_feedback import residual_nbytes
 from megatron_grpo.megatron.grad_shards import GradShards
 from megatron_grpo.megatron.optimizer import grpo_optimizers
+from megatron_grpo.megatron.options import check_separate_norm_groups
 from megatron_grpo.offload import ChunkStore, OffloadConfig
 from megatron_grpo.offload.placement import TierPlacement, planned_bytes
 from megatron_grpo.offload.residuals import OffloadedResiduals
@@ -77,6 +78,9 @@ def build_placement(config: OffloadConfig, optimizer, ctrl, rank: int) -> Option
                   for u in ctrl.units for b in u.group.buckets]
     shards = _grad_storages(ctrl) if moves_grads(config, optimizer, ctrl) else []
     if shards:  # and for this rank's gradient shard of every bucket
+        # Refused before the store exists and before step 1: a gradient brought back is clipped
+        # by the main norm, one in a separate grad-norm group by its own (megatron 0.19, MTP).
+        check_separate_norm_groups(_shards_that_may_leave(optimizer, ctrl), rank)
         sizes += [b.grpo_grads.shard_len * b.grad_data.element_size()
                   for u in ctrl.units for b in u.group.buckets]
     store_cfg = dataclasses.replace(config)
@@ -127,6 +131,18 @@ def moves_grads(config: OffloadConfig, optimizer, ctrl) -> bool:
     opts = grpo_optimizers(optimizer)
     return (config.target != "none" and config.stream and config.grads and len(opts) == 1
             and not opts[0].config.log_num_zeros_in_grad and bool(_grad_storages(ctrl)))
+
+
+def _shards_that_may_leave(optimizer, ctrl):
+    """(unit, model param, shard main param) of every parameter whose gradient shard the memory
+    tier may hold away: any unit streams in warm-up; a late param's own copy stays."""
+    for opt in grpo_optimizers(optimizer):
+        for model_param, shard in opt._pairs():
+            bucket = opt._bucket_of(model_param)
+            grads = getattr(bucket, "grpo_grads", None)
+            if grads is not None and model_param in grads.late:
+                continue
+            yield ctrl.unit_of_bucket[id(bucket)], model_param, shard
 
 
 def _grad_storages(ctrl) -> list:

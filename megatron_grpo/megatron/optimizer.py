@@ -36,7 +36,7 @@ import torch
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from megatron_grpo.comm.dynamic import prepare_param_delta
-from megatron_grpo.megatron.options import check_optimizer_options
+from megatron_grpo.megatron.options import check_model_options, check_optimizer_options
 
 
 class GRPODistributedOptimizer(DistributedOptimizer):
@@ -50,6 +50,11 @@ class GRPODistributedOptimizer(DistributedOptimizer):
     _norm = None
 
     def bind(self, controller) -> None:
+        # GRPO features a model option cannot carry, refused before the first step: here as well
+        # as in get_grpo_optimizer, since a script may build the optimizer without grpo_config.
+        check_model_options(controller.config, [getattr(c, "config", None) for c in
+                                                getattr(self, "model_chunks", None) or []],
+                            _rank())
         self.grpo = controller
         self._grpo_copied_units = set()  # units whose weights the memory tier's stream copied
         self._grads_away: Dict[int, list] = {}  # unit -> [(model param, shard)] whose grad is away
@@ -91,8 +96,8 @@ class GRPODistributedOptimizer(DistributedOptimizer):
                 continue
             grads = getattr(bucket, "grpo_grads", None)
             if grads is not None and grads.placed(model_param):
-                # On host memory or SSD until its unit's update (bring_grads).
-                _refuse_separate_norm_group(shard, unit)
+                # On host memory or SSD until its unit's update (bring_grads). Never one of
+                # megatron's separate grad-norm groups: refused at build (build_placement).
                 shard.grad = None
                 self._grads_away.setdefault(unit, []).append((model_param, shard))
                 continue
@@ -405,7 +410,9 @@ def get_grpo_optimizer(config, model_chunks, grpo_config=None, **kwargs):
     if not config.use_distributed_optimizer:
         raise ValueError("GRPO runs inside megatron's distributed optimizer: set "
                          "--use-distributed-optimizer (OptimizerConfig.use_distributed_optimizer=True)")
-    check_optimizer_options(config, torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
+    check_optimizer_options(config, _rank())
+    if grpo_config is not None:  # before megatron allocates any optimizer state
+        check_model_options(grpo_config, [getattr(c, "config", None) for c in model_chunks], _rank())
     original = mopt.DistributedOptimizer
     mopt.DistributedOptimizer = GRPODistributedOptimizer
     try:
@@ -431,15 +438,5 @@ def load_optimizer_state(optimizer, state: Dict) -> None:
             o.outer_sync.load_state_dict(outer)
 
 
-def _refuse_separate_norm_group(shard, unit: int) -> None:
-    """megatron 0.19 clips parameters of a separate grad-norm group (multi-token prediction,
-    ``grad_norm_group='mtp'``) by that group's own norm; a gradient brought back from the memory
-    tier is clipped by the main norm (bring_grads), so such a parameter must not go away."""
-    group = getattr(shard, "grad_norm_group", None)
-    if group is None:
-        return
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    raise ValueError(f"rank {rank}: GRPO's memory tier would hold away the gradient of a parameter "
-                     f"in megatron's separate grad-norm group {group!r} (unit {unit}), which megatron "
-                     f"clips by its own norm: run with --no-grpo-offload-grads (optimizer state "
-                     f"still moves), or without a separate norm group for {group!r}")
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

@@ -2,7 +2,9 @@
 
 Each option a Megatron user may set is either carried correctly (and tested) or refused before
 GRPO changes anything (``install``, ``get_grpo_optimizer``), naming the option, the rank and
-what to do. Nothing is half supported: a run that starts does not crash or go wrong later.
+what to do; one that only a GRPO feature cannot carry is refused, at the latest, when the
+optimizer is bound (``bind``) or the memory tier built (``build_placement``), before step 1.
+Nothing is half supported: a run that starts does not crash or go wrong later.
 
 * ``grad_reduce_in_fp32=False`` with bf16/fp16 parameters (Megatron-LM without
   ``--accumulate-allreduce-grads-in-fp32``): the gradient buffers are bf16. Error feedback keeps
@@ -41,6 +43,24 @@ what to do. Nothing is half supported: a run that starts does not crash or go wr
 * the precision-aware optimizer (``use_precision_aware_optimizer``): the optimizer holds the
   main parameters and reads ``decoupled_grad``, which GRPO's per-tier gradient skipping does not
   clear and its parameter staging does not read. Refused.
+* per-token loss (``TransformerConfig.calculate_per_token_loss``, Megatron-LM
+  ``--calculate-per-token-loss``) with a delayed stable tier (``--grpo-stable-mode delayed`` and
+  a stable share): megatron sums gradients over the data-parallel ranks and divides by the
+  step's token count after the sync (``finalize_model_grads``), in the gradient buffer. A delayed
+  unit's gradient is added to its accumulator at the step's end, already divided by its step's
+  count, and at the update the sum goes out with the update step's gradient and is divided
+  again, by that step's count: 1/(N_t N_T) for the earlier steps. The mean megatron would
+  apply over k steps, (1/k) sum_t G_t / N_t, needs the update step's count N_T before its sync
+  starts in backward, and nothing knows it then. Refused (frozen and compressed stable tiers
+  divide each step's own gradient once, as megatron does).
+* CUDA graphs (``cuda_graph_impl`` other than ``"none"``, ``enable_cuda_graph``,
+  ``external_cuda_graph``: whichever the release has) with ``--grpo-sampled-backward``: the
+  sampled backward decides in Python at every step which units sample, their keep ratios and
+  the rows drawn; a captured graph replays the kernels of the step it was captured in. Refused.
+* megatron 0.19's separate grad-norm groups (``grad_norm_group``, multi-token prediction) with
+  the memory tier moving gradient shards (``--grpo-offload-grads``): megatron clips such a
+  parameter by its group's own norm, but a gradient brought back from the tier is clipped by the
+  main norm. Refused when the placement is built (megatron/offload.py), before step 1.
 """
 
 from __future__ import annotations
@@ -151,3 +171,60 @@ def check_optimizer_options(opt_config, rank: int) -> None:
         raise ValueError(
             f"rank {rank}: GRPO does not support fp8 parameters "
             f"(OptimizerConfig.reuse_grad_buf_for_mxfp8_param_ag): keep bf16 parameters")
+
+
+def check_model_options(grpo_config, tf_configs: Iterable, rank: int) -> None:
+    """Raise ValueError for a TransformerConfig option that the GRPO features ``grpo_config``
+    turns on cannot carry (see the module docstring). ``tf_configs``: the model chunks'
+    configs (None entries are skipped)."""
+    for tf in tf_configs:
+        if tf is None:
+            continue
+        if (grpo_config.stable_delayed and grpo_config.stable_share > 0
+                and getattr(tf, "calculate_per_token_loss", False)):
+            raise ValueError(
+                f"rank {rank}: --grpo-stable-mode delayed does not support megatron's per-token "
+                f"loss (TransformerConfig.calculate_per_token_loss, Megatron-LM "
+                f"--calculate-per-token-loss): megatron divides each step's gradient by that "
+                f"step's token count after the sync, and the delayed stable tier's sum of earlier "
+                f"steps, each already divided by its own count, would be divided again by the "
+                f"update step's. Run with --grpo-stable-mode frozen or compressed (or "
+                f"--grpo-stable-share 0), or without --calculate-per-token-loss")
+        graphs = _cuda_graph_options(tf)
+        if grpo_config.sampled_backward and graphs:
+            raise ValueError(
+                f"rank {rank}: --grpo-sampled-backward does not support CUDA graphs "
+                f"({', '.join(graphs)} on TransformerConfig; Megatron-LM --cuda-graph-impl, "
+                f"--enable-cuda-graph, --external-cuda-graph): the sampled backward draws its "
+                f"token rows and keep ratios anew every step, and a captured graph would replay "
+                f"the draw it was captured with. Run with --cuda-graph-impl none, or without "
+                f"--grpo-sampled-backward")
+
+
+def _cuda_graph_options(tf_config) -> list:
+    """The CUDA-graph options set on ``tf_config``: 0.16.1 through 0.19 have
+    ``cuda_graph_impl`` and the deprecated booleans it replaced, a release may lack any of them."""
+    out = []
+    impl = getattr(tf_config, "cuda_graph_impl", None)
+    if impl not in (None, "none"):
+        out.append(f"cuda_graph_impl={impl!r}")
+    out += [name for name in ("enable_cuda_graph", "external_cuda_graph")
+            if getattr(tf_config, name, False)]
+    return out
+
+
+def check_separate_norm_groups(params: Iterable, rank: int) -> None:
+    """Raise ValueError if a parameter whose gradient shard the memory tier may hold away is in
+    one of megatron 0.19's separate grad-norm groups. ``params``: (unit, model param, shard
+    main param); megatron copies ``grad_norm_group`` onto the shard, either is read."""
+    for unit, model_param, shard in params:
+        group = getattr(shard, "grad_norm_group", None) or getattr(model_param, "grad_norm_group", None)
+        if group is None:
+            continue
+        raise ValueError(
+            f"rank {rank}: GRPO's memory tier would hold away the gradient of a parameter in "
+            f"megatron's separate grad-norm group {group!r} (unit {unit}; multi-token "
+            f"prediction), which megatron clips by that group's own norm, while a gradient "
+            f"brought back from the tier is clipped by the main norm: run with "
+            f"--no-grpo-offload-grads (optimizer state still moves), or without a separate norm "
+            f"group for {group!r}")

@@ -108,17 +108,6 @@ def test_the_stand_in_holds_no_memory_and_megatrons_filters_still_apply(monkeypa
     assert seen[0].stride() == (0,) and seen[0].untyped_storage().nbytes() == 4
 
 
-def test_a_separate_norm_group_never_goes_away():
-    from megatron_grpo.megatron.optimizer import _refuse_separate_norm_group
-
-    shard = torch.nn.Parameter(torch.zeros(2))
-    _refuse_separate_norm_group(shard, 0)
-    shard.grad_norm_group = "mtp"
-    with pytest.raises(ValueError, match=r"rank 0: .*separate grad-norm group 'mtp' \(unit 5\).*"
-                                         r"--no-grpo-offload-grads"):
-        _refuse_separate_norm_group(shard, 5)
-
-
 # -- 4. the stream megatron's hierarchical finish waits on ------------------------------------
 @pytest.mark.parametrize("version, which", [((0, 16, 1), "default"), ((0, 17, 1), "current"),
                                             ((0, 19, 2), "current")])
