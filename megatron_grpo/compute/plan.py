@@ -75,15 +75,17 @@ class SampledBackward:
         self.tiers = list(replica_tiers)
         self.active = tiered
         c = self.config
+        # Only the sampled path measures; without it the step must not pay the collective
+        # (same value on every rank: config, tiering and iteration agree).
+        self.measuring = c.sampled_backward and tiered and iteration % c.sample_interval == 0
         for i, tier in enumerate(self.tiers):
             want = self.wanted[i]
             # Before a unit's first measurement: the ceiling (the sampled path is what measures).
             want = c.sample_max_keep if want is None else want
-            self.ratios[i] = 1.0 if (tier == "core" or not tiered) else \
+            # A measuring step keeps every row (ratio 1: the exact sum, in another order): its
+            # gradients are the ones importance scores the units below core by (estimated_units).
+            self.ratios[i] = 1.0 if (tier == "core" or not tiered or self.measuring) else \
                 min(c.sample_max_keep, max(c.sample_min_keep, want))
-        # Only the sampled path measures; without it the step must not pay the collective
-        # (same value on every rank: config, tiering and iteration agree).
-        self.measuring = c.sampled_backward and tiered and iteration % c.sample_interval == 0
         self.flops.reset()
         self._digest = None
         # Earlier pipeline stages hold the global units before this stage's (replica.py).
@@ -107,6 +109,16 @@ class SampledBackward:
                 self.wanted[i] = now if old is None else (1 - SMOOTHING) * old + SMOOTHING * now
         self._sums.zero_()
         self.measuring = False
+
+    def estimated_units(self) -> frozenset:
+        """Local units whose gradient this step may be a sampled estimate: every unit below core
+        while sampling runs, except on measuring steps (every row kept). Importance skips them:
+        it scores sum |g| |w|, and E|g_hat| >= |g|, so scoring estimates would inflate exactly the
+        units that are sampled and bias the next tiering. (Below a sampled data gradient a unit
+        whose own rows are all kept is noisy too, hence every unit below core.)"""
+        if not (self.config.sampled_backward and self.active) or self.measuring:
+            return frozenset()
+        return frozenset(u for u in range(self.local.stop - self.local.start) if self.tier(u) != "core")
 
     def samples(self, local_unit: int) -> bool:
         """Whether this unit's linear layers take the sampled backward this step: below core,

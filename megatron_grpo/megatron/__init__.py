@@ -109,6 +109,7 @@ def grpo_hooks(cfg):
         ctrl = state["ctrl"]
         ctrl.begin_step(iteration)
         state["compute"].begin_step(iteration + 1, ctrl.replica_tiers, ctrl.tiered)
+        ctrl.estimated_units = state["compute"].estimated_units()
         if state["prefix"] is not None:
             state["prefix"].begin_step()  # after the controller set this step's requires_grad
         if ctrl.left_local:

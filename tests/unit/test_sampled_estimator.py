@@ -68,7 +68,7 @@ class _Plan(SampledBackward):
     def __init__(self, tier="dynamic", keep=0.3, dgrad="none", policy="importance", budget=0.25):
         cfg = GRPOConfig(enabled=True, sampled_backward=True, sample_dgrad=dgrad,
                          sample_policy=policy, sample_variance_budget=budget, sample_min_keep=keep,
-                         sample_max_keep=keep)
+                         sample_max_keep=keep, sample_interval=10**6)  # no measuring (exact) step
         super().__init__(cfg, 1, slice(0, 1), seed=7, dp_rank=0)
         self.wanted = [keep]
         self.end_recording()  # a forward of nothing: no unit below the layer
@@ -210,13 +210,16 @@ def test_keep_ratios_follow_the_measured_budget_within_floor_and_ceiling():
     plan.begin_step(5, ["core", "core", "core"], tiered=False)
     assert not plan.measuring and plan.ratios == [1.0, 1.0, 1.0]  # nothing samples, nothing measured
     plan.begin_step(5, ["dynamic", "dynamic", "dynamic"], tiered=True)
-    assert plan.measuring and plan.ratios == [0.9, 0.9, 0.9]  # the ceiling until measured
+    # A measuring step keeps every row (its exact gradients score importance below core).
+    assert plan.measuring and plan.ratios == [1.0, 1.0, 1.0]
+    assert plan.estimated_units() == frozenset()
     for unit, want in enumerate((0.5, 0.05, 0.99)):
         plan.record(unit, want, 100)
     plan.end_step(lambda t: t)  # one rank: the sum is its own
     plan.begin_step(6, ["core", "dynamic", "stable"], tiered=True)
     assert not plan.measuring
     assert plan.ratios == [1.0, 0.2, 0.9]  # core exact; floor; ceiling
+    assert plan.estimated_units() == frozenset({1, 2})  # importance skips them this step
     plan.begin_step(10, ["dynamic", "dynamic", "stable"], tiered=True)
     plan.record(0, 0.3, 50)
     plan.record(0, 0.6, 150)
@@ -317,3 +320,50 @@ def test_a_sampled_backward_never_waits_on_the_device():
     assert _host_syncs_in(lambda: _sampled_grads(plan, x, w, dy)) == []
     assert float(plan._sums[0, 1]) == 48  # the measurement was taken (all 48 rows live)
     plan.end_step(lambda t: t)  # one sync per measuring step, after the step: allowed
+
+
+def test_importance_ranks_sampled_units_as_the_exact_run_does():
+    """Importance scores sum |g| |w|, and an unbiased estimate's |g_hat| is larger than |g| on
+    average: scored from estimates, a sampled unit looks more important than it is, the very
+    score that decides who is sampled. Unit A (exact) and unit B (sampled at keep 0.2) see the
+    same batches; B's weight is 0.95 A's, so its true score is 0.95 A's on every step. Over 16
+    independent runs of 50 steps, the mean final score: scored from its estimates B outranks A
+    (the check says "bad"); scored as the plan says (estimated steps skipped, measuring steps
+    keep every row) B's score is the exact run's in expectation and the ranking is the exact
+    run's. (One run's EMA is noisy either way: a few exact observations decide it.)"""
+    from megatron_grpo.grpo.importance import ImportanceTracker
+
+    cfg = GRPOConfig(enabled=True, sampled_backward=True, sample_min_keep=0.2, sample_max_keep=0.2,
+                     sample_interval=5)
+    finals = {k: torch.zeros(2, dtype=torch.float64) for k in ("exact", "estimates", "plan")}
+    runs = 16
+    for run in range(runs):
+        plan = SampledBackward(cfg, 1, slice(0, 1), seed=run, dp_rank=0)
+        plan.wanted = [0.2]
+        plan.end_recording()
+        trackers = {k: ImportanceTracker(2, [1, 1], decay=0.9) for k in finals}
+        for k in range(1, 51):
+            x, w, dy = _layer(1000 * run + k)
+            exact = dy.reshape(-1, 12).t() @ x.reshape(-1, 16)
+            wa, wb = w, 0.95 * w
+            plan.begin_step(k, ["dynamic"], tiered=True)
+            sampled = _sampled_grads(plan, x, wb, dy)[1]
+            observed = {"exact": exact, "plan": None if 0 in plan.estimated_units() else sampled}
+            if plan.measuring:  # every fifth step keeps every row: B's exact gradient there
+                assert torch.allclose(sampled, exact, rtol=1e-4, atol=1e-4)
+                plan.ratios = [0.2]  # what scoring estimates on every step would have seen
+                observed["estimates"] = _sampled_grads(plan, x, wb, dy)[1]
+            else:
+                observed["estimates"] = sampled
+            for name, tracker in trackers.items():
+                tracker.observe(0, [exact], [wa])
+                if observed[name] is not None:
+                    tracker.observe(1, [observed[name]], [wb])
+                tracker.commit()
+        for name, tracker in trackers.items():
+            finals[name] += tracker.bucket_scores().cpu() / runs
+    score = {name: v.tolist() for name, v in finals.items()}
+    assert score["exact"][1] == pytest.approx(0.95 * score["exact"][0], rel=1e-5)
+    assert score["estimates"][1] > 1.03 * score["estimates"][0]  # inflated past the more important unit
+    assert score["plan"][1] < score["plan"][0]  # the exact run's ranking
+    assert score["plan"][1] == pytest.approx(score["exact"][1], rel=0.03)

@@ -209,6 +209,9 @@ class GRPOController(ControllerState, ControllerReport):
         self.importance_timer = IntervalTimer(event)
         self.wait_timer_ = IntervalTimer(event)
         self.step = StepPlan()
+        self.estimated_units: frozenset = frozenset()
+        """Units whose gradient this step is a sampled estimate (the compute policy sets it
+        each step): importance does not score them, an estimate's |g| is biased upwards."""
         self.tiered = False
         self.retier_pending = False
         # Iteration the exact warm-up counts from: 0, or a resume without GRPO state (another
@@ -532,7 +535,7 @@ class GRPOController(ControllerState, ControllerReport):
 
     # ------------------------------------------------------------------ measurements
     def observe_importance(self, index: int) -> None:
-        if not self.step.measure_importance:
+        if not self.step.measure_importance or index in self.estimated_units:
             return
         unit = self.units[index]
         with self.importance_timer.time():
