@@ -11,7 +11,12 @@ Why it looks like this (pains users of other offload engines report):
   chunk that is not a multiple of 4096 is zero-padded in the file and read back at its exact
   length by the caller, so nothing is truncated to the block size;
 - reads and writes loop over short transfers and raise on end-of-file, never return partial data;
-- staging buffers are few and reused, so pinned host memory cannot grow with the work in flight.
+- staging buffers are few and reused, so pinned host memory cannot grow with the work in flight;
+- the file is mapped once, however many tensors a checkpoint reads through the map: every mmap
+  holds a descriptor of its own (and counts against vm.max_map_count), so one map per tensor
+  made a large model's save die on the open-file limit (`ulimit -n`, often 1024);
+- running out of descriptors is named as that (the limit, its value, how to raise it), never as
+  a bad offload directory or a filesystem without O_DIRECT.
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ import errno
 import fcntl
 import mmap
 import os
+import resource
 import stat
 import threading
+import weakref
 from contextlib import contextmanager
 from typing import List, Optional, Tuple
 
@@ -32,6 +39,7 @@ from .config import ALIGN
 
 SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 ACCESS_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS)
+FD_ERRNOS = (errno.EMFILE, errno.ENFILE)
 
 
 class OffloadError(RuntimeError):
@@ -45,6 +53,27 @@ class OffloadDirError(OffloadError):
 
 class OffloadCapacityError(OffloadError):
     """The preallocated file has no free extent left for a chunk."""
+
+
+class OffloadOpenFilesError(OffloadError):
+    """This process (EMFILE) or the whole node (ENFILE) is out of file descriptors: the offload
+    directory itself may be fine, so no fallback to host memory hides it."""
+
+
+def open_files_error(exc: OSError, rank: int, what: str) -> OffloadOpenFilesError:
+    """The error for ``exc`` (EMFILE or ENFILE) raised while ``what``: the limit that was hit, its
+    value, and how to raise it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if exc.errno == errno.ENFILE:
+        cause = (f"the node's open-file table is full (ENFILE, errno {errno.ENFILE}: {exc.strerror}): "
+                 f"other processes on this node hold too many files open. Close them, or raise the "
+                 f"node's limit (sysctl fs.file-max)")
+    else:
+        cause = (f"this process has reached its open-file limit (EMFILE, errno {errno.EMFILE}: "
+                 f"{exc.strerror}; `ulimit -n` is {soft} here, hard limit {hard}). Raise it before "
+                 f"the job starts, e.g. `ulimit -n 65536` in the sbatch script (up to the hard "
+                 f"limit; above it needs the node's limits.conf)")
+    return OffloadOpenFilesError(f"offload (rank {rank}): {what} failed: {cause}.")
 
 
 def align_up(nbytes: int) -> int:
@@ -164,17 +193,20 @@ class StagingPool:
                 self._cond.notify()
 
 
-def _open_direct(path: str) -> Tuple[Optional[int], str]:
+def _open_direct(path: str, rank: int) -> Tuple[Optional[int], str]:
     """An O_DIRECT descriptor of ``path`` if the filesystem accepts it, else (None, why not).
 
     Some filesystems refuse the flag at open (EINVAL), others only at the first transfer, so one
-    aligned block is written and read back before the mode is trusted."""
+    aligned block is written and read back before the mode is trusted. Out of descriptors is
+    raised: it says nothing about the filesystem, and buffered I/O would hide it."""
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
         return None, "O_DIRECT is not available on this platform"
     try:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | flag)
     except OSError as exc:
+        if exc.errno in FD_ERRNOS:
+            raise open_files_error(exc, rank, f"opening the SSD tier's file {path} for O_DIRECT") from exc
         return None, f"open with O_DIRECT failed: {exc}"
     probe = aligned_buffer(ALIGN)
     try:
@@ -236,6 +268,8 @@ class SlotFile:
         try:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as exc:
+            if exc.errno in FD_ERRNOS:
+                raise open_files_error(exc, rank, f"opening the SSD tier's file {self.path}") from exc
             problem = "it is not writable" if exc.errno in ACCESS_ERRNOS else "cannot create a file"
             raise _dir_error(directory, rank, self.size, f"{problem} ({exc})") from exc
         try:
@@ -249,7 +283,7 @@ class SlotFile:
             self._allocate()
             self._io_fd, self.io_mode = self._fd, "buffered"
             if io_mode == "direct":
-                direct_fd, why = _open_direct(self.path)
+                direct_fd, why = _open_direct(self.path, rank)
                 if direct_fd is None:
                     self.direct_fallback_reason = why
                 else:
@@ -260,6 +294,11 @@ class SlotFile:
             _unlink_quietly(self.path)
             raise
         self.extents = ExtentAllocator(self.size)
+        # The file's one map while a view of it lives (``map``); a weak reference, so the map
+        # goes (and its pages leave the resident set) with the last view, as a checkpoint's
+        # tensors are dropped after the save.
+        self._whole: Optional[weakref.ref] = None
+        self._map_lock = threading.Lock()
         self.closed = False
 
     def _check_directory(self) -> None:
@@ -296,16 +335,44 @@ class SlotFile:
     def read(self, into: memoryview, offset: int) -> None:
         pread_all(self._io_fd, into, offset)
 
-    def map(self, offset: int, length: int) -> Optional[mmap.mmap]:
-        """A private map of ``length`` bytes from ``offset`` (ChunkStore.host_bytes: a checkpoint
-        reads away state through it, so the bytes reach host memory only as page cache, while
-        the writer reads them). Copy-on-write: a write to it never reaches the file. Through the
-        buffered descriptor; O_DIRECT writes invalidate the cached pages they cover, so reads
-        see what the store wrote. None when ``offset`` is not on a page-granularity boundary
-        (extents are 4096-aligned; a machine with larger pages reads instead)."""
-        if offset % mmap.ALLOCATIONGRANULARITY:
-            return None
-        return mmap.mmap(self._fd, length, access=mmap.ACCESS_COPY, offset=offset)
+    def map(self, offset: int, length: int) -> torch.Tensor:
+        """``length`` bytes from ``offset`` as a uint8 host tensor backed by the file
+        (ChunkStore.host_bytes: a checkpoint reads away state through it, so the bytes reach host
+        memory only as page cache, while the writer reads them).
+
+        Every tensor is a view of one private map of the whole file, made on the first call and
+        kept while any view lives. A map per tensor would hold a descriptor per tensor (Python's
+        mmap keeps a dup of the one it maps): a save of tens of thousands of tensors ran out of
+        descriptors under `ulimit -n 1024` (and each map counts against vm.max_map_count).
+        Mapping the whole file costs address space only: MAP_NORESERVE, because a private
+        writable map is otherwise charged as memory the process may write, and the kernel's
+        overcommit check refuses one larger than memory (the file can be).
+
+        Copy-on-write: a write to a view never reaches the file. Through the buffered
+        descriptor; O_DIRECT writes invalidate the cached pages they cover, so reads see what
+        the store wrote. Raises OSError where the filesystem cannot map its files."""
+        if offset < 0 or length <= 0 or offset + length > self.size:
+            raise ValueError(f"offload (rank {self.rank}): map of {length} bytes at {offset} is "
+                             f"outside {self.path} ({self.size} bytes)")
+        with self._map_lock:
+            whole = self._whole() if self._whole is not None else None
+            if whole is None:
+                whole = mmap.mmap(self._fd, self.size,
+                                  flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_NORESERVE", 0),
+                                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                self._whole = weakref.ref(whole)
+        # The view exports the map's buffer, which keeps the map alive as long as the view.
+        return torch.frombuffer(whole, dtype=torch.uint8, count=length, offset=offset)
+
+    def drop_pages(self, offset: int, length: int) -> None:
+        """Take the map's pages over [offset, offset + length) out of this process's resident set
+        (and discard private copies a write to a view made there): a later read maps them in
+        again from the page cache or the file. Nothing happens while no view is alive."""
+        whole = self._whole() if self._whole is not None else None
+        if whole is None:
+            return
+        start = offset - offset % mmap.PAGESIZE  # madvise needs a page boundary
+        whole.madvise(mmap.MADV_DONTNEED, start, length + offset - start)
 
     def close(self, remove: bool = True) -> None:
         """Close the descriptors and (by default) delete the file: its content is scratch that
@@ -313,6 +380,9 @@ class SlotFile:
         if self.closed:
             return
         self.closed = True
+        # Not unmapped here: a checkpoint may still hold views (the map holds its own
+        # descriptor, and the file's content, until the last view goes).
+        self._whole = None
         if self._io_fd != self._fd:
             os.close(self._io_fd)
         if remove:

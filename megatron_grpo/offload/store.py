@@ -25,7 +25,6 @@ copies of chunks in ``cpu`` come from a bounded pool of reused (pinned) buffers
 from __future__ import annotations
 
 import concurrent.futures as cf
-import mmap
 import threading
 import time
 import warnings
@@ -235,7 +234,8 @@ class ChunkStore:
         writes for state that is away. Waits for these chunks' moves in flight. Three ways,
         counted in ``stats()["checkpoint_reads"]``:
 
-        * ``mapped``: every chunk on ssd, in consecutive extents: a private map of the file,
+        * ``mapped``: every chunk on ssd, in consecutive extents: a view of the file's one
+          private map (SlotFile.map: one descriptor however many tensors a save maps),
           checked against each chunk's crc32 (the pages the check touched are dropped again), so
           the bytes enter memory only as page cache, when the checkpoint writer reads them;
         * ``host``: one chunk in (unpinned) host memory: its host copy itself, no copy;
@@ -277,25 +277,21 @@ class ChunkStore:
         if any(c.offset != first + k * self.chunk_bytes for k, c in enumerate(chunks)):
             return None
         try:
-            mapping = self.file.map(first, sum(c.nbytes for c in chunks))
+            mapped = self.file.map(first, sum(c.nbytes for c in chunks))
         except OSError:  # a filesystem that cannot map its files: the copying read works anyway
             return None
-        if mapping is None:
-            return None
-        view = memoryview(mapping)
-        try:
-            for k, c in enumerate(chunks):
-                start = k * self.chunk_bytes
-                if zlib.crc32(view[start:start + c.nbytes]) != c.crc:
-                    # Stale cached pages or bad data: the copying read checks again and raises
-                    # OffloadChecksumError if the file itself is bad.
-                    return None
-                # The check read these pages into this process: out again, so the resident set
-                # holds at most one chunk of them at a time (the writer maps them back in).
-                mapping.madvise(mmap.MADV_DONTNEED)
-        finally:
-            view.release()
-        return torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the map alive
+        flat = mapped.numpy()
+        for k, c in enumerate(chunks):
+            start = k * self.chunk_bytes
+            same = zlib.crc32(flat[start:start + c.nbytes]) == c.crc
+            # The check read these pages into this process: out again, so the resident set
+            # holds at most one chunk of them at a time (the writer maps them back in).
+            self.file.drop_pages(c.offset, c.nbytes)
+            if not same:
+                # Stale cached pages or bad data: the copying read checks again and raises
+                # OffloadChecksumError if the file itself is bad.
+                return None
+        return mapped  # a view of the file's one map, which it keeps alive
 
     def wait_all(self, timeout: Optional[float] = None) -> None:
         """Wait for every move asked for so far, then raise the first unreported error."""

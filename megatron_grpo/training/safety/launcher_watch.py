@@ -23,6 +23,12 @@ start time in ``/proc/<pid>/stat`` differs). A thread polls every ``POLL_S`` sec
 covers a rank blocked in a collective whose peers are gone; ``check()`` looks once more right
 before every save, so no save starts after the launcher died.
 
+Out of file descriptors (EMFILE: this process at its `ulimit -n`; ENFILE: the node's table
+full), /proc cannot be read, which says nothing about the launcher. The watch then checks the
+launcher by its pid alone (``kill(pid, 0)``, no descriptor needed) and says once, on stderr, which
+limit was hit, its value and how to raise it: a save that ran out of descriptors must not be
+reported as a dead launcher (the rank was killed by its own watch, blaming a live torchrun).
+
 Why not PR_SET_PDEATHSIG: it fires only for the direct parent (the wrapper, not the agent, on
 the SLURM path), it fires when the parent *thread* that forked the rank exits, and the signal
 must not be SIGTERM: the loop's SIGTERM handler saves a checkpoint (preemption). A poll needs
@@ -31,7 +37,9 @@ none of that and says why the rank stopped.
 
 from __future__ import annotations
 
+import errno
 import os
+import resource
 import socket
 import sys
 import threading
@@ -41,24 +49,56 @@ LAUNCHER_GONE_EXIT = 4
 """A rank's exit status when its launcher is gone (launch/pretrain_gpt.py: 2 bad input, 3 lost peer)."""
 PID_ENV, START_ENV = "GRPO_LAUNCHER_PID", "GRPO_LAUNCHER_START"
 POLL_S = 1.0
+FD_ERRNOS = (errno.EMFILE, errno.ENFILE)
+"""Out of file descriptors: a failed read of /proc that says nothing about the process read."""
 
 
 def process_state(pid: int) -> Optional[Tuple[str, int]]:
     """(state letter, start time in clock ticks since boot: /proc/<pid>/stat fields 3 and 22) of
     ``pid``, or None if there is no such process or no /proc. The command name may hold spaces
-    and ')': the fields are counted after the last ')'."""
+    and ')': the fields are counted after the last ')'. Raises the OSError when this process
+    cannot open the file for lack of descriptors (``FD_ERRNOS``): the process may well be alive."""
     try:
         with open(f"/proc/{pid}/stat") as fh:
             rest = fh.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+    except OSError as exc:
+        if exc.errno in FD_ERRNOS:
+            raise
+        return None
+    except IndexError:
         return None
     return rest[0], int(rest[19])
 
 
 def start_ticks(pid: int) -> Optional[int]:
-    """``pid``'s start time, or None if there is no such live process (a zombie has exited)."""
+    """``pid``'s start time, or None if there is no such live process (a zombie has exited).
+    Raises where ``process_state`` does (out of descriptors)."""
     state = process_state(pid)
     return None if state is None or state[0] in "ZX" else state[1]
+
+
+def _where() -> str:
+    return f"{os.environ.get('RANK', '0')} on {socket.gethostname()}"
+
+
+def open_files_problem(exc: OSError) -> str:
+    """Which descriptor limit ``exc`` (EMFILE or ENFILE) hit, its value, and how to raise it."""
+    if exc.errno == errno.ENFILE:
+        return (f"the node's open-file table is full (ENFILE, errno {errno.ENFILE}: {os.strerror(errno.ENFILE)}): "
+                f"other processes on this node hold too many files open; close them, or raise the node's "
+                f"limit (sysctl fs.file-max)")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return (f"this process has reached its open-file limit (EMFILE, errno {errno.EMFILE}: "
+            f"{os.strerror(errno.EMFILE)}; `ulimit -n` is {soft} here, hard limit {hard}); raise it before "
+            f"the job starts, e.g. `ulimit -n 65536` in the sbatch script (up to the hard limit; above it "
+            f"needs the node's limits.conf)")
+
+
+def _ticks_at_start(pid: int) -> Optional[int]:
+    try:
+        return start_ticks(pid)
+    except OSError:  # out of descriptors already: the pid is still watched, without the reuse check
+        return None
 
 
 class LauncherWatch:
@@ -72,6 +112,8 @@ class LauncherWatch:
         self._before_exit: List[Callable[[], None]] = []
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self.out_of_files: Optional[str] = None
+        """The descriptor problem last seen reading /proc (said once on stderr), or None."""
 
     def gone(self) -> Optional[str]:
         """Why the launcher counts as gone, or None."""
@@ -79,19 +121,41 @@ class LauncherWatch:
             return (f"this rank's parent process {self.parent_pid} exited (the rank now belongs to pid "
                     f"{os.getppid()})")
         if not os.path.isdir("/proc"):  # no start times: whether the pid exists at all
-            try:
-                os.kill(self.launcher_pid, 0)
-            except ProcessLookupError:
-                return f"process {self.launcher_pid} has exited"
-            except PermissionError:
-                pass
-            return None
-        now = start_ticks(self.launcher_pid)
+            return self._pid_gone()
+        try:
+            now = start_ticks(self.launcher_pid)
+        except OSError as exc:  # out of descriptors: not a sign of the launcher, see the module doc
+            self._report_out_of_files(exc)
+            return self._pid_gone()
         if now is None:
             return f"process {self.launcher_pid} has exited"
         if self.launcher_ticks is not None and now != self.launcher_ticks:
             return f"pid {self.launcher_pid} now belongs to another process"
         return None
+
+    def _pid_gone(self) -> Optional[str]:
+        """Whether the launcher pid exists, asked without a descriptor (a zombie or a reused pid
+        passes)."""
+        try:
+            os.kill(self.launcher_pid, 0)
+        except ProcessLookupError:
+            return f"process {self.launcher_pid} has exited"
+        except PermissionError:
+            pass
+        return None
+
+    def _report_out_of_files(self, exc: OSError) -> None:
+        problem = open_files_problem(exc)
+        if problem == self.out_of_files:
+            return
+        self.out_of_files = problem
+        # One write: ranks share the job's output.
+        sys.stderr.write(f"error (rank {_where()}): {problem}. The launcher watch cannot read "
+                         f"/proc/{self.launcher_pid}/stat now, so it checks the launcher ({self.what}, "
+                         f"pid {self.launcher_pid}) by its pid alone; the launcher is not what failed. "
+                         f"Whatever else this rank opens meanwhile (a checkpoint, the data, the SSD "
+                         f"tier's file) fails the same way.\n")
+        sys.stderr.flush()
 
     def before_exit(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` (e.g. release the --save lock) before the exit; its errors are ignored."""
@@ -104,7 +168,7 @@ class LauncherWatch:
             self._exit(why)
 
     def _exit(self, why: str) -> None:
-        rank = f"{os.environ.get('RANK', '0')} on {socket.gethostname()}"
+        rank = _where()
         kept = (f"the checkpoints already in --save {self.save_dir} are kept: resume from them with "
                 f"--load {self.save_dir}" if self.save_dir else "there is no --save")
         # One write (ranks share the job's output): the message must not be cut by the exit.
@@ -154,5 +218,5 @@ def from_environment(save_dir: Optional[str] = None, environ=None) -> Optional[L
         return LauncherWatch(int(environ[PID_ENV]), int(start) if start.isdigit() else None, parent,
                              "torchrun agent, via launch/slurm/rank_exec.sh", save_dir)
     if "TORCHELASTIC_RUN_ID" in environ:
-        return LauncherWatch(parent, start_ticks(parent), parent, "torchrun agent", save_dir)
+        return LauncherWatch(parent, _ticks_at_start(parent), parent, "torchrun agent", save_dir)
     return None
