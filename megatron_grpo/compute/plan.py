@@ -88,6 +88,11 @@ class SampledBackward:
                 min(c.sample_max_keep, max(c.sample_min_keep, want))
         self.flops.reset()
         self._digest = None
+        self._open_positions()
+
+    def _open_positions(self) -> None:
+        """Per position of ``forward_order``: no core unit below it. Again when the order is
+        recorded: a resumed run's first forward comes after its first step's plan."""
         # Earlier pipeline stages hold the global units before this stage's (replica.py).
         open_ = not any(t == "core" for t in self.tiers[:self.local.start])
         self._dgrad_open = [open_]
@@ -140,7 +145,7 @@ class SampledBackward:
         wanted = self.keep(local_unit) < 1.0 and (mode == "below-core" or (mode == "stable" and tier == "stable"))
         if not wanted or position is None or not self.order_recorded:
             return False
-        return self._dgrad_open[min(position, len(self._dgrad_open) - 1)]
+        return self._dgrad_open[position]
 
     # ------------------------------------------------------------------ forward order
     def record_use(self, local_units) -> None:
@@ -154,6 +159,7 @@ class SampledBackward:
 
     def end_recording(self) -> None:
         self.order_recorded = True
+        self._open_positions()
 
     def record(self, local_unit: int, wanted: torch.Tensor, rows: torch.Tensor) -> None:
         """One layer's measurement on a measuring step: the keep ratio its rows needed. Both are

@@ -8,6 +8,8 @@ output layer. The same batch runs exact (before tiering) and sampled (keep 0.3, 
 gradients); core's gradients must be the exact run's bit for bit.
 """
 
+import pytest
+
 from harness import spawn_ranks
 
 
@@ -66,6 +68,7 @@ def _case(tiers):
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from megatron_grpo.compute.flops import attention_flops
     from megatron_grpo.compute.plan import SampledBackward
     from megatron_grpo.grpo.config import GRPOConfig
     from megatron_grpo.megatron import sampled_linear
@@ -82,6 +85,7 @@ def _case(tiers):
                      sample_min_keep=0.3, sample_max_keep=0.3)
     plan = SampledBackward(cfg, len(UNITS), slice(0, len(UNITS)), seed=11, dp_rank=0)
     plan.wanted = [0.3] * len(UNITS)
+    plan.flops.other = attention_flops(3, 4 * 16, 16, 32)
     wrapped = sampled_linear.install([SimpleNamespace(module=model)], units, plan)
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, 64, (4, 16), generator=g)
@@ -98,12 +102,17 @@ def _case(tiers):
     sampled = grads(2, tiered=True)
     same = {n: bool(torch.equal(exact[n], sampled[n])) for n in named}
     return {"wrapped": wrapped, "order": list(plan.forward_order),
-            "unit": {n: _unit_of(n) for n in named}, "same": same}
+            "unit": {n: _unit_of(n) for n in named}, "same": same, "flops": plan.flops.metrics()}
 
 
-def test_core_gradients_are_bit_identical_with_sampled_data_gradients():
-    [out] = spawn_ranks(_worker, 1, timeout=180)
-    assert "error" not in out, out.get("error")
+@pytest.fixture(scope="module")
+def out():
+    [result] = spawn_ranks(_worker, 1, timeout=180)
+    assert "error" not in result, result.get("error")
+    return result
+
+
+def test_core_gradients_are_bit_identical_with_sampled_data_gradients(out):
     for name, tiers in CASES.items():
         case = out["cases"][name]
         assert case["wrapped"] == 3 * 4 + 1  # qkv, proj, fc1, fc2 per layer and the output layer
@@ -116,3 +125,25 @@ def test_core_gradients_are_bit_identical_with_sampled_data_gradients():
     # Where nothing core is below, data gradients are still sampled (the rule is not "never"):
     # with layers 0 and 1 above only dynamic units, the embedding's gradient is sampled.
     assert not out["cases"]["core_high"]["same"]["embedding.word_embeddings.weight"]
+
+
+def test_the_planner_predicts_the_counted_flops_term_by_term(out):
+    """The sampled step of each case, counted by the run's layers (FlopCount), against the
+    planner's prediction from the shapes and the tier map alone: every tier and part equal, data
+    gradients sampled only above no core (in "core_low" none, in "core_high" layers 0 and 1)."""
+    from megatron_grpo.planner.compute import predict_step
+    from megatron_grpo.planner.plan import ModelSpec
+
+    spec = ModelSpec(num_layers=3, hidden=32, heads=4, vocab=64, seq_length=16, micro_batch_size=4,
+                     make_vocab_size_divisible_by=64)
+    for name, tiers in CASES.items():
+        by_layer = {"embedding": tiers[0], "output_layer": tiers[4]}
+        for i in range(3):
+            for part in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"):
+                by_layer[f"layers.{i}.{part}"] = tiers[i + 1]
+        predicted = predict_step(spec, by_layer, {"dynamic": 0.3, "stable": 0.3}, "below-core")
+        assert predicted == out["cases"][name]["flops"], name
+    counted = {n: out["cases"][n]["flops"] for n in CASES}
+    # No data gradient below core_low's layer 0 is sampled; in core_high two layers' are.
+    assert counted["core_low"]["flops_dynamic_dgrad"] == counted["core_low"]["flops_dynamic_fwd"]
+    assert counted["core_high"]["flops_dynamic_dgrad"] < counted["core_high"]["flops_dynamic_fwd"]
