@@ -333,22 +333,24 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
         if self.grpo is None:
             return super().finish_grad_sync(force_all_reduce)
         self.param_gather_dispatched = False
-        # Once per iteration, as megatron's own from 0.18 (compat.FINISH_FLAG): a successor
-        # group may have finished this one already (reduce_scatter_with_fp32_accumulation
-        # drains its predecessor), and the end-of-step loop then calls it again.
-        if self.__dict__.get(compat.FINISH_FLAG):
+        overlap = self.ddp_config.overlap_grad_reduce
+        # megatron's rule (compat.FINISH_FLAG): with overlap, once per iteration, so that a
+        # successor group may drain this one (reduce_scatter_with_fp32_accumulation) before the
+        # end-of-step loop finishes every group; set only once the wait returned, so the call
+        # after a finish that raised still waits. Without overlap each call syncs again.
+        if overlap and self.__dict__.get(compat.FINISH_FLAG):
             return
-        self.__dict__[compat.FINISH_FLAG] = True
-        if self.__dict__.pop("_grpo_completed", False):
-            return  # finished in backward to bound the units in flight (_in_flight)
-        if not self.grpo.unit_active(self.grpo_unit) and self.grad_reduce_handle is None:
-            # A frozen stable unit computed no gradient, so megatron never marked it ready.
-            if self.grpo.config.stable_frozen:
-                return
-        if not self.ddp_config.overlap_grad_reduce or self.is_first_batch:
-            if self.grad_reduce_handle is None:
-                self.start_grad_sync(force_all_reduce)
-        self._complete()
+        # Nothing to wait for: finished in backward to bound the units in flight (_in_flight),
+        # or a frozen stable unit, which computed no gradient (megatron never marked it ready).
+        done = self.__dict__.pop("_grpo_completed", False) or (
+            self.grpo.config.stable_frozen and not self.grpo.unit_active(self.grpo_unit)
+            and self.grad_reduce_handle is None)
+        if not done:
+            if not overlap or self.is_first_batch:
+                if self.grad_reduce_handle is None:
+                    self.start_grad_sync(force_all_reduce)
+            self._complete()
+        self.__dict__[compat.FINISH_FLAG] = overlap
 
     # -- extends _ParamAndGradBucketGroup.reset (zero_grad_buffer) ----------------------------------
     def reset(self):

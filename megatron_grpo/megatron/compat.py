@@ -16,7 +16,11 @@ is named here, once, and the glue asks this module instead of testing versions i
 * **the finish flag** (``grad_reduce_finished``, 0.18): ``finish_grad_sync`` became idempotent
   within an iteration, because with ``reduce_scatter_with_fp32_accumulation`` a bucket group
   drains its predecessor from ``start_grad_sync`` and the end-of-step loop finishes it again.
-  GRPO's override keeps that flag on every version (``FINISH_FLAG``).
+  GRPO's override follows megatron's rule for it (``FINISH_FLAG``): only with
+  ``overlap_grad_reduce`` (without, every call dispatches and waits), and set only once the wait
+  returned (a finish that raised leaves it unset, so the next one still waits). It keeps the
+  flag on 0.16/0.17 too, where a second finish after a successful one is never valid (megatron
+  asserts that no call is outstanding, or in the first batch reduces the buffer again).
 * **the communication stream** (0.17): with several distributed-optimizer instances megatron's
   finish waits for the communication stream on the *current* stream, not the default one
   (``grad_sync_wait_stream``).
@@ -53,7 +57,8 @@ SKIP_CHECK_ENV = "MEGATRON_GRPO_SKIP_VERSION_CHECK"
 GRAD_NORM_METHODS = ("get_main_grads_for_grad_norm", "get_grads_for_grad_norm")
 """The distributed optimizer's gradient list for the norm: its name up to 0.18, and from 0.19."""
 FINISH_FLAG = "grad_reduce_finished"
-"""The bucket group's 'finish_grad_sync ran this iteration' flag (megatron 0.18 and later)."""
+"""The bucket group's 'finish_grad_sync has waited this iteration' flag (megatron 0.18 and later;
+used with overlap_grad_reduce only)."""
 LAYOUT_ARGUMENT = "full_param_layout"
 """DistributedDataParallel's precomputed bucket layout argument (megatron 0.18 and later)."""
 
