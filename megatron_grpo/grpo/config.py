@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron_grpo.comm.link_decision import MODES as COMPRESS_MODES
 from megatron_grpo.comm.residual_dtypes import RESIDUAL_DTYPES
 
 TIERS = ("core", "dynamic", "stable")
@@ -93,6 +94,15 @@ class GRPOConfig:
     ranking then decides how many bits a unit gets (core int8, dynamic --grpo-compressor; what
     the ranking buys: docs/grpo.md). The warm-up and units with copies on several pipeline
     stages (the tied embedding) stay exact."""
+    compress: str = "auto"
+    """Where the tiers' formats are used: auto (where the compressed sync measured at start is
+    at most 0.9x the exact one's time on this run's group, confirmed by an A/B of step time
+    after the warm-up), all (every tier compresses everywhere), inter-node (only a group whose
+    ranks span nodes) or none (every sync exact, megatron's own; importance, tiers, the memory
+    tier and the sampled backward still run). docs/compression.md, "Where compression pays"."""
+    compress_ab_steps: int = 4
+    """Steps of each half of --grpo-compress auto's A/B (compressed, then exact) after the
+    warm-up; 0: the start-up measurement alone decides."""
     compress_chunk: int = 256
     """Elements sharing one fp32 scale in int4/int8 quantisation."""
     topk_ratio: float = 0.05
@@ -292,6 +302,11 @@ class GRPOConfig:
                 f"{self.core_share} + {self.dynamic_share} + {self.stable_share} = {total:g}")
         if not self.bucket_mb > 0:
             fail("bucket_mb", "a positive number of MB", self.bucket_mb)
+        if self.compress not in COMPRESS_MODES:
+            fail("compress", "one of " + ", ".join(COMPRESS_MODES), self.compress)
+        if isinstance(self.compress_ab_steps, bool) or not isinstance(self.compress_ab_steps, int) \
+                or self.compress_ab_steps < 0:
+            fail("compress_ab_steps", "an integer >= 0 (0: no A/B)", self.compress_ab_steps)
         if isinstance(self.stable_interval, bool) or not isinstance(self.stable_interval, int) \
                 or self.stable_interval < 0:
             fail("stable_interval", "an integer >= 0 (0: never, the static-freeze ablation)",

@@ -46,6 +46,7 @@ from megatron_grpo.comm.error_feedback import ErrorFeedback
 from megatron_grpo.comm.replicated import ReplicatedElements
 from megatron_grpo.comm.wire import wire_counter
 from megatron_grpo.grpo.config import GRPOConfig
+from megatron_grpo.grpo.controller.links import LinkPolicy
 from megatron_grpo.grpo.controller.report import ControllerReport
 from megatron_grpo.grpo.controller.state import ControllerState
 from megatron_grpo.grpo.health import HealthSums, HealthWatch
@@ -193,6 +194,11 @@ class GRPOController(ControllerState, ControllerReport):
         self.stable_compressor = (build_compressor(config.stable_compressor, config.compress_chunk)
                                   if config.stable_every_step else None)
         self.ef = ErrorFeedback(config.residual_dtype, config.compress_chunk)
+        # Where the formats pay on this run's links (--grpo-compress; measured now, before step 1).
+        formats = {c.name: c for c in (self.compressor, self.core_compressor, self.stable_compressor)
+                   if c is not None}
+        self.links = LinkPolicy(config, self.units, dp_group, self.device, self.counter, formats,
+                                plan_group)
         # Keyed by (unit, bucket index in its group), like the error-feedback residuals.
         self.carry: Dict[tuple, torch.Tensor] = {}
         self.accum = DelayedAccumulators()
@@ -276,6 +282,11 @@ class GRPOController(ControllerState, ControllerReport):
             self.retier_pending = False
         # The last iteration also syncs every periodic tier exactly: the run ends on one model.
         self.outer.plan(k, self.tiered, self._retier_at(k + 1) or k == self.final_iteration)
+        # The replica's compressed elements (identical on every rank: the A/B's collective
+        # must be entered by all ranks alike).
+        self.links.begin_step(k, self.tiered, sum(n for n, t in zip(self.replica_numels, self.replica_tiers)
+                                                  if t != "core" or self._core_compressed()))
+        self._settle_exact_units()
         self.step = StepPlan(
             k=k,
             stable_update=(not never and k % interval == 0) or not self.tiered,
@@ -404,14 +415,25 @@ class GRPOController(ControllerState, ControllerReport):
         compressed."""
         if self.dp_size <= 1 or self.unit_periodic(index):
             return None
-        tier = self.tiers[index]
+        tier, chosen = self.tiers[index], None
         if tier == "dynamic":
-            return self.compressor
-        if tier == "stable" and self.stable_compressor is not None and self.tiered:
-            return self.compressor if self.stable_fallback else self.stable_compressor
-        if tier == "core" and self._core_compressed() and not self.units[index].pinned:
-            return self.core_compressor
-        return None
+            chosen = self.compressor
+        elif tier == "stable" and self.stable_compressor is not None and self.tiered:
+            chosen = self.compressor if self.stable_fallback else self.stable_compressor
+        elif tier == "core" and self._core_compressed() and not self.units[index].pinned:
+            chosen = self.core_compressor
+        # --grpo-compress: a format that does not pay on this group syncs exactly (links.py).
+        return chosen if chosen is not None and self.links.compresses(chosen.name) else None
+
+    def _settle_exact_units(self) -> None:
+        """A unit whose sync became exact (the link decision, its A/B) gets what error feedback
+        still owes it with its next exact sync, as a unit that leaves a compressed tier does."""
+        for key in list(self.ef.keys()):
+            if not self.unit_periodic(key[0]) and self.unit_compressor(key[0]) is None:
+                self.carry[key] = self.ef.residual(key).clone()
+                self.ef.drop(key)
+                if self.powersgd is not None:
+                    self.powersgd.drop(key)
 
     def delta_compressor(self, tier: str):
         """The compressor of a periodic tier's parameter deltas across instances (None: exact)."""

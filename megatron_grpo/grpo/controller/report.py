@@ -52,6 +52,8 @@ class ControllerReport:
             if "dynamic" in self.health.measured:
                 h = self.health.last["dynamic"]
                 out["grpo_gvr_in_range"] = self.config.gvr_min <= h["gvr"] <= self.config.gvr_max
+        self.links.record(self.step.k, step_time_s)
+        out.update(self.links.metrics())
         out["grpo_core_exact"] = self.core_exact
         out["grpo_stable_fallback"] = self.stable_fallback
         if self._new_events:

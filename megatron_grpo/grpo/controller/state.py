@@ -15,6 +15,7 @@ class ControllerState:
                 "remediations": self.remediations, "skipped_steps": self.skipped_steps,
                 "core_exact": self.core_exact, "stable_fallback": self.stable_fallback,
                 "warmup_origin": self.warmup_origin or 0, "outer": self.outer.state_dict(),
+                "links": self.links.state_dict(),
                 **self.health.state_dict()}
 
     def rank_state(self) -> Dict:
@@ -33,6 +34,7 @@ class ControllerState:
                              f"layout and --grpo-bucket-mb")
         self.replica_tiers = list(state["tiers"])
         self.tiers = self.replica_tiers[self.layout.local]
+        self.links.load_state_dict(state.get("links"))
         self.tiered = state["tiered"]
         self.retier_pending = state["retier_pending"]
         self.events = list(state["events"])
