@@ -167,9 +167,13 @@ class BucketGrads:
             self.grad.mul_(factor)
         elif self.state == SHARD:
             if self.placed():
-                raise RuntimeError(f"GRPO memory tier: gradients are scaled after their sync "
-                                   f"(per-token loss) while a shard is away (rank {self.rank}); "
-                                   f"run with --no-grpo-offload-grads")
+                # build_placement refuses per-token loss with --grpo-offload-grads before
+                # step 1 (options.check_grad_shards); a guard for a placement built otherwise:
+                # scaling the shard here would be lost when the tier reads its bytes back.
+                raise RuntimeError(f"rank {self.rank} of its group: GRPO memory tier: gradients "
+                                   f"are scaled after their sync (per-token loss, "
+                                   f"--calculate-per-token-loss) while a shard is away; run "
+                                   f"with --no-grpo-offload-grads")
             self.shard.mul_(factor)
             for copy in self.copies.values():
                 copy.mul_(factor)

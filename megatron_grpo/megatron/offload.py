@@ -20,7 +20,7 @@ import torch
 from megatron_grpo.comm.error_feedback import residual_nbytes
 from megatron_grpo.megatron.grad_shards import GradShards
 from megatron_grpo.megatron.optimizer import grpo_optimizers
-from megatron_grpo.megatron.options import check_separate_norm_groups
+from megatron_grpo.megatron.options import check_grad_shards, check_separate_norm_groups
 from megatron_grpo.offload import ChunkStore, OffloadConfig
 from megatron_grpo.offload.placement import TierPlacement, planned_bytes
 from megatron_grpo.offload.residuals import OffloadedResiduals
@@ -81,6 +81,10 @@ def build_placement(config: OffloadConfig, optimizer, ctrl, rank: int) -> Option
         # Refused before the store exists and before step 1: a gradient brought back is clipped
         # by the main norm, one in a separate grad-norm group by its own (megatron 0.19, MTP).
         check_separate_norm_groups(_shards_that_may_leave(optimizer, ctrl), rank)
+        # megatron divides gradients by the step's token count after the sync (per-token
+        # loss), when a streamed unit's shard is already away: refused here, not at that step.
+        check_grad_shards([getattr(c, "config", None) for opt in grpo_optimizers(optimizer)
+                           for c in getattr(opt, "model_chunks", None) or []], rank)
         sizes += [b.grpo_grads.shard_len * b.grad_data.element_size()
                   for u in ctrl.units for b in u.group.buckets]
     store_cfg = dataclasses.replace(config)

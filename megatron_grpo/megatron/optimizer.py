@@ -54,7 +54,7 @@ class GRPODistributedOptimizer(DistributedOptimizer):
         # as in get_grpo_optimizer, since a script may build the optimizer without grpo_config.
         check_model_options(controller.config, [getattr(c, "config", None) for c in
                                                 getattr(self, "model_chunks", None) or []],
-                            _rank())
+                            _rank(), getattr(controller, "dp_size", None))
         self.grpo = controller
         self._grpo_copied_units = set()  # units whose weights the memory tier's stream copied
         self._grads_away: Dict[int, list] = {}  # unit -> [(model param, shard)] whose grad is away
@@ -412,7 +412,8 @@ def get_grpo_optimizer(config, model_chunks, grpo_config=None, **kwargs):
                          "--use-distributed-optimizer (OptimizerConfig.use_distributed_optimizer=True)")
     check_optimizer_options(config, _rank())
     if grpo_config is not None:  # before megatron allocates any optimizer state
-        check_model_options(grpo_config, [getattr(c, "config", None) for c in model_chunks], _rank())
+        check_model_options(grpo_config, [getattr(c, "config", None) for c in model_chunks],
+                            _rank(), _dp_size())
     original = mopt.DistributedOptimizer
     mopt.DistributedOptimizer = GRPODistributedOptimizer
     try:
@@ -436,6 +437,16 @@ def load_optimizer_state(optimizer, state: Dict) -> None:
     for o, outer in zip(opts, state.get("outer", [None] * len(opts))):
         if o.outer_sync is not None:
             o.outer_sync.load_state_dict(outer)
+
+
+def _dp_size():
+    """The data-parallel x context-parallel size megatron reduces gradients over (what the
+    controller's group spans), or None before megatron's parallel state exists."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return None
+    return ps.get_data_parallel_world_size(with_context_parallel=True)
 
 
 def _rank() -> int:

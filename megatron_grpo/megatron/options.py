@@ -44,15 +44,31 @@ Nothing is half supported: a run that starts does not crash or go wrong later.
   main parameters and reads ``decoupled_grad``, which GRPO's per-tier gradient skipping does not
   clear and its parameter staging does not read. Refused.
 * per-token loss (``TransformerConfig.calculate_per_token_loss``, Megatron-LM
-  ``--calculate-per-token-loss``) with a delayed stable tier (``--grpo-stable-mode delayed`` and
-  a stable share): megatron sums gradients over the data-parallel ranks and divides by the
-  step's token count after the sync (``finalize_model_grads``), in the gradient buffer. A delayed
-  unit's gradient is added to its accumulator at the step's end, already divided by its step's
-  count, and at the update the sum goes out with the update step's gradient and is divided
-  again, by that step's count: 1/(N_t N_T) for the earlier steps. The mean megatron would
-  apply over k steps, (1/k) sum_t G_t / N_t, needs the update step's count N_T before its sync
-  starts in backward, and nothing knows it then. Refused (frozen and compressed stable tiers
-  divide each step's own gradient once, as megatron does).
+  ``--calculate-per-token-loss``): megatron sums gradients over the data-parallel ranks and
+  divides the gradient buffer by the step's token count N_t after the sync
+  (``finalize_model_grads``, ``scale_gradients``); the count is all-reduced there, after every
+  bucket's sync has started. Three GRPO features keep a gradient across that division:
+
+  - error feedback (a tier compressed every step: dynamic, core with
+    ``--grpo-core-compressor``, stable with ``--grpo-stable-mode compressed``): the residual r_t
+    is what step t's compression held back, in step t's raw token sums (taken before the
+    division), and step t+1 adds it into its buffer before the sync, so it is divided by
+    N_{t+1}: r_t / N_{t+1} lands where r_t / N_t was owed. Landing it exactly needs N_{t+1}
+    when the residual is added, during step t+1's backward, and nothing knows it then.
+    Re-owing the mismatch once N_{t+1} is known keeps the sum but grows without bound when
+    counts swing by more than 2x from step to step (the owed amount times |1 - N_t/N_{t+1}|
+    each step). Refused unless nothing is compressed (one data-parallel rank, or every tier
+    exact or periodic, or ``--grpo-compress none``).
+  - a delayed stable tier (``--grpo-stable-mode delayed`` and a stable share): a delayed unit's
+    gradient is added to its accumulator at the step's end, already divided by its step's
+    count, and at the update the sum goes out with the update step's gradient and is divided
+    again: 1/(N_t N_T) for the earlier steps. The mean megatron would apply over k steps,
+    (1/k) sum_t G_t / N_t, needs the update step's count N_T before its sync starts in
+    backward. Refused (a frozen stable tier divides each step's own gradient once, as megatron
+    does).
+  - gradient shards on the memory tier (``--grpo-offload-grads``): a streamed unit's shard is
+    written to host memory or SSD right after its sync, before megatron divides it. Refused when
+    the placement is built (megatron/offload.py), before step 1.
 * CUDA graphs (``cuda_graph_impl`` other than ``"none"``, ``enable_cuda_graph``,
   ``external_cuda_graph``: whichever the release has) with ``--grpo-sampled-backward``: the
   sampled backward decides in Python at every step which units sample, their keep ratios and
@@ -173,23 +189,36 @@ def check_optimizer_options(opt_config, rank: int) -> None:
             f"(OptimizerConfig.reuse_grad_buf_for_mxfp8_param_ag): keep bf16 parameters")
 
 
-def check_model_options(grpo_config, tf_configs: Iterable, rank: int) -> None:
+def check_model_options(grpo_config, tf_configs: Iterable, rank: int,
+                        dp_size: Optional[int] = None) -> None:
     """Raise ValueError for a TransformerConfig option that the GRPO features ``grpo_config``
     turns on cannot carry (see the module docstring). ``tf_configs``: the model chunks'
-    configs (None entries are skipped)."""
+    configs (None entries are skipped); ``dp_size``: the data-parallel (x context-parallel)
+    size, None when not known yet (then counted as more than one rank)."""
     for tf in tf_configs:
         if tf is None:
             continue
-        if (grpo_config.stable_delayed and grpo_config.stable_share > 0
-                and getattr(tf, "calculate_per_token_loss", False)):
+        per_token = getattr(tf, "calculate_per_token_loss", False)
+        feedback = _feedback_tiers(grpo_config) if dp_size is None or dp_size > 1 else []
+        if per_token and feedback:
+            raise ValueError(
+                f"rank {rank}: megatron's per-token loss (TransformerConfig."
+                f"calculate_per_token_loss, Megatron-LM --calculate-per-token-loss) does not work "
+                f"with GRPO's error feedback ({', '.join(feedback)}): megatron divides each "
+                f"step's gradient by that step's token count after the sync, so what compression "
+                f"held back at one step would land divided by the next step's count, known only "
+                f"after that step's sync has started. Run without --calculate-per-token-loss, or "
+                f"with every sync exact (--grpo-compress none; tiers, importance and the memory "
+                f"tier still run)")
+        if grpo_config.stable_delayed and grpo_config.stable_share > 0 and per_token:
             raise ValueError(
                 f"rank {rank}: --grpo-stable-mode delayed does not support megatron's per-token "
                 f"loss (TransformerConfig.calculate_per_token_loss, Megatron-LM "
                 f"--calculate-per-token-loss): megatron divides each step's gradient by that "
                 f"step's token count after the sync, and the delayed stable tier's sum of earlier "
                 f"steps, each already divided by its own count, would be divided again by the "
-                f"update step's. Run with --grpo-stable-mode frozen or compressed (or "
-                f"--grpo-stable-share 0), or without --calculate-per-token-loss")
+                f"update step's. Run with --grpo-stable-mode frozen (or --grpo-stable-share 0), "
+                f"or without --calculate-per-token-loss")
         graphs = _cuda_graph_options(tf)
         if grpo_config.sampled_backward and graphs:
             raise ValueError(
@@ -199,6 +228,41 @@ def check_model_options(grpo_config, tf_configs: Iterable, rank: int) -> None:
                 f"token rows and keep ratios anew every step, and a captured graph would replay "
                 f"the draw it was captured with. Run with --cuda-graph-impl none, or without "
                 f"--grpo-sampled-backward")
+
+
+def _feedback_tiers(grpo_config) -> list:
+    """The flags that send a tier's gradients compressed with error feedback every step (what
+    the controller's ``unit_compressor`` compresses once tiered, with more than one
+    data-parallel rank); a periodic tier syncs exactly inside its instance instead. With
+    --grpo-compress auto or inter-node whether a tier compresses is decided on the run's own
+    group after the build: counted as compressing."""
+    cfg, out = grpo_config, []
+    if getattr(cfg, "compress", "all") == "none":
+        return out
+    if cfg.dynamic_share > 0 and cfg.sync_interval("dynamic") == 1:
+        out.append(f"--grpo-dynamic-share {cfg.dynamic_share:g} with --grpo-compressor "
+                   f"{cfg.compressor}")
+    if cfg.core_share > 0 and cfg.core_compressor != "none" and cfg.sync_interval("core") == 1:
+        out.append(f"--grpo-core-compressor {cfg.core_compressor}")
+    if cfg.stable_share > 0 and cfg.stable_compressed:
+        out.append("--grpo-stable-mode compressed")
+    return out
+
+
+def check_grad_shards(tf_configs: Iterable, rank: int) -> None:
+    """Raise ValueError when gradient shards go to the memory tier (--grpo-offload-grads) under
+    megatron's per-token loss: the shard of a streamed unit is written to host memory or SSD
+    right after its sync, and megatron divides the gradients by the step's token count later
+    (``scale_gradients``), when it is away. Called by ``build_placement``, before step 1;
+    ``BucketGrads.scale`` keeps a guard for a placement built some other way."""
+    if any(tf is not None and getattr(tf, "calculate_per_token_loss", False) for tf in tf_configs):
+        raise ValueError(
+            f"rank {rank}: --grpo-offload-grads does not support megatron's per-token loss "
+            f"(TransformerConfig.calculate_per_token_loss, Megatron-LM "
+            f"--calculate-per-token-loss): megatron divides the gradients by the step's token "
+            f"count after the sync, when the memory tier has already written the streamed units' "
+            f"gradient shards to host memory or SSD. Run with --no-grpo-offload-grads (optimizer "
+            f"state still moves), or without --calculate-per-token-loss")
 
 
 def _cuda_graph_options(tf_config) -> list:
