@@ -5,6 +5,7 @@
     python launch/plan.py --all-presets          # the table in docs/planner.md
     python launch/plan.py --config launch/configs/gpt_70b.yaml --nodes 16 \
         --num-distributed-optimizer-instances 16  # + inter-node bytes, flat vs hierarchical
+    python launch/plan.py --step-time             # modelled step time, megatron vs GRPO
 
 Model and GRPO settings are read exactly as launch/pretrain_gpt.py reads them (same YAML, same
 flags, same validation against the world size). Nothing is built and no GPU is needed.
@@ -34,6 +35,9 @@ PRESETS: Tuple[Tuple[str, str, int], ...] = (
 )
 PRESET_CLUSTER = dict(gpus_per_node=8, gpu_memory_gb=80.0, link_gbps=400.0)
 DEFAULT_VOCAB = 128256
+# The step-time table (docs/planner.md, "Step time (modelled, not measured)"): 8B, 70B, 200B;
+# 405B needs a multiple of 112 GPUs, which none of the three clusters has.
+STEP_TIME_PRESETS = PRESETS[:3]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --largest-model: memory per GPU held outside model state and "
                         "activations (CUDA context, NCCL buffers, fragmentation; on CPU the "
                         "process's runtime), GB")
+    p.add_argument("--step-time", action="store_true",
+                   help="print the modelled step time of megatron and GRPO (eager and fused codec, "
+                        "with the link-aware decision) on one NVLink node, 16 nodes of 400 Gb/s IB "
+                        "and 16 nodes of 100 Gb/s Ethernet: the gpt_8b/70b/200b presets, or the "
+                        "--config given; docs/planner.md")
+    p.add_argument("--step-time-grad-dtype", choices=("bf16", "fp32"), default="bf16",
+                   help="with --step-time: gradients on the exact path's wire (bf16: megatron's "
+                        "bf16 reduce-scatter; fp32: grad_reduce_in_fp32)")
     p.add_argument("--attention", choices=("flash", "unfused"), default="flash",
                    help="flash: transformer-engine attention on CUDA; unfused: megatron's local "
                         "spec (CPU mode), which keeps the s x s scores")
@@ -86,6 +98,38 @@ def presets_table() -> str:
     return format_table([p for _, p in plans], [n for n, _ in plans])
 
 
+def step_time_table(train_argv: List[str], grad_dtype: str = "bf16", vocab: int = DEFAULT_VOCAB,
+                    attention: str = "flash") -> str:
+    """--step-time: the presets (or the --config in ``train_argv``) on the three clusters."""
+    from megatron_grpo.planner.steptime import CLUSTERS, StepTimeConfig, format_break_even, \
+        format_steptime, predict
+    from megatron_grpo.training.arguments import ConfigError
+
+    cfg = StepTimeConfig(grad_bytes=2 if grad_dtype == "bf16" else 4)
+    if "--config" in train_argv:
+        name = os.path.basename(train_argv[train_argv.index("--config") + 1])
+        configs = [(name, list(train_argv))]
+    else:
+        configs = [(n, ["--config", os.path.join(REPO, c), *train_argv]) for n, c, _ in STEP_TIME_PRESETS]
+    rows, units = [], None
+    for name, argv in configs:
+        spec, errors = None, []
+        # Read once, on a cluster the layout fits (the parser checks TP x PP against the world);
+        # the memory and link figures it also takes do not enter the step time.
+        for c in sorted(CLUSTERS, key=lambda c: -c.nodes):
+            try:
+                spec = spec_from_flags(argv, c.nodes, c.gpus_per_node, 80.0, 400.0, vocab, attention)
+                break
+            except (ConfigError, ValueError) as exc:
+                errors.append(str(exc))
+        if spec is None:
+            raise ValueError(f"{name}: fits none of the step-time clusters: {errors[0]}")
+        model, cluster, grpo, bucket, _ = spec
+        units = units or grpo.bucket_elements
+        rows += [predict(model, cluster.tp, cluster.pp, grpo, c, cfg, bucket, name) for c in CLUSTERS]
+    return format_steptime(rows, cfg) + "\n\n" + format_break_even(units, cfg)
+
+
 def largest_models(model, cluster, grpo, bucket, offload, memory_gb: float, reserve_gb: float) -> str:
     """--largest-model: the largest layer count under memory_gb per GPU of the baseline, GRPO and
     megatron-core's own memory options (CPU optimizer offload, Megatron-FSDP: predictions)."""
@@ -108,6 +152,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if args.all_presets:
             print(presets_table())
+            return 0
+        if args.step_time:
+            print(step_time_table(train_argv, args.step_time_grad_dtype, args.vocab_size, args.attention))
             return 0
         model, cluster, grpo, bucket, offload = spec_from_flags(
             train_argv, args.nodes, args.gpus_per_node, args.gpu_memory_gb, args.link_gbps,

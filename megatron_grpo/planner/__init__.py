@@ -7,4 +7,6 @@ wire), grads.py (gradient buffers, release and shards through the memory tier), 
 capacity.py (the largest model that fits), peers.py (megatron-core's own memory options
 beside it: CPU optimizer offload, Megatron-FSDP; predictions), internode.py (bytes between
 nodes of the hierarchical and periodic tiers). Measured against real runs in tests/multiproc/test_planner_*.
+steptime.py models the step time, megatron beside GRPO with the link-aware decision: modelled,
+not measured (docs/planner.md, "Step time").
 """
