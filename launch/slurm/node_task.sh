@@ -11,6 +11,10 @@ host=$(hostname)
 node="node $host (node index ${SLURM_NODEID:-?} of job ${SLURM_JOB_ID:-?})"
 fail() { echo "error ($node): $*" >&2; exit 1; }
 say() { echo "[$node] $*"; }
+# The batch script raised the open-file limit (the SSD memory tier and torch_dist saves open many
+# files) and srun passes that value on, but a node may refuse a value above its own hard limit:
+# raise the soft limit to this node's hard limit. Guarded: a refused raise never fails the node.
+ulimit -Sn "$(ulimit -Hn)" 2>/dev/null || true
 
 # shellcheck disable=SC2086  # GRPO_DATA_PREFIXES is a space-separated list of prefixes
 bash "$GRPO_ROOT/launch/env.sh" --device "$GRPO_DEVICE" --nproc "$NPROC_PER_NODE" --slurm \
@@ -46,7 +50,7 @@ fi
 export MEGATRON_GRPO_RANK_LOG=1 PYTHONUNBUFFERED=1 GRPO_LOG_DIR
 mkdir -p "$GRPO_LOG_DIR" || fail "cannot create the per-rank log directory $GRPO_LOG_DIR"
 
-say "torchrun: $NPROC_PER_NODE rank(s), rendezvous $RDZV_HOST:$RDZV_PORT (join timeout ${RDZV_TIMEOUT} s), logs $GRPO_LOG_DIR"
+say "torchrun: $NPROC_PER_NODE rank(s), rendezvous $RDZV_HOST:$RDZV_PORT (join timeout ${RDZV_TIMEOUT} s), logs $GRPO_LOG_DIR, ulimit -n $(ulimit -Sn)"
 "$PYTHON" -m torch.distributed.run \
   --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" \
   --rdzv-backend c10d --rdzv-endpoint "$RDZV_HOST:$RDZV_PORT" --rdzv-id "${SLURM_JOB_ID:-grpo}" \

@@ -6,12 +6,12 @@ megatron_grpo/megatron/offload.py. See docs/offload.md.
 """
 
 from .config import OffloadConfig, OffloadConfigError
-from .slot_file import (OffloadCapacityError, OffloadDirError, OffloadError, StagingPool,
-                        file_name)
+from .slot_file import (OffloadCapacityError, OffloadDirError, OffloadError, OffloadOpenFilesError,
+                        StagingPool, file_name)
 from .store import ChunkStore, OffloadChecksumError, OffloadIOError
 
 __all__ = [
     "ChunkStore", "OffloadCapacityError", "OffloadChecksumError", "OffloadConfig",
-    "OffloadConfigError", "OffloadDirError", "OffloadError", "OffloadIOError", "StagingPool",
-    "file_name",
+    "OffloadConfigError", "OffloadDirError", "OffloadError", "OffloadIOError", "OffloadOpenFilesError",
+    "StagingPool", "file_name",
 ]

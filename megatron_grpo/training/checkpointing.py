@@ -152,17 +152,9 @@ def check_save_dir(root: str) -> None:
 
 
 def _save_failure(root: str, iteration: int, exc: BaseException) -> str:
-    """The one-line CheckpointError text for a save that failed with ``exc``."""
-    from torch.distributed.checkpoint import CheckpointException
-
-    if isinstance(exc, CheckpointException):
-        # Every rank raises it; only the coordinator holds the failures (rank -> (exc, trace)).
-        causes = {r: str(e[0] if isinstance(e, tuple) else e) for r, e in exc.failures.items()}
-        cause = ("; ".join(f"rank {r}: {c}" for r, c in sorted(causes.items())) if causes
-                 else "the checkpoint writer reported a failure; rank 0's error names the rank and the cause")
-    else:
-        cause = f"{type(exc).__name__}: {exc}"
-    cause = save_errors.explain(root, " ".join(cause.split()))  # a full disk, however torch put it
+    """The one-line CheckpointError text for a save that failed with ``exc``: its cause (a full
+    disk, however torch put it) and what to do (free the disk, or raise the open-file limit)."""
+    cause = save_errors.explain(root, save_errors.cause_text(exc))
     try:
         last = open(os.path.join(root, TRACKER)).read().strip()
     except OSError:
@@ -170,8 +162,7 @@ def _save_failure(root: str, iteration: int, exc: BaseException) -> str:
     resume = (f"its latest complete checkpoint, iteration {last}, is intact: resume with --load {root}"
               if last.isdigit() else "it holds no complete checkpoint")
     return (f"--save {root}: saving iteration {iteration} failed on rank {dist.get_rank()} "
-            f"({' '.join(cause.split())}). Free space on its filesystem or make it writable (or "
-            f"point --save elsewhere); {resume}.")
+            f"({' '.join(cause.split())}). {save_errors.what_to_do(exc, dist.get_rank())}; {resume}.")
 
 
 def model_versions() -> Dict:
@@ -245,8 +236,9 @@ def save_checkpoint(root: str, iteration: int, built, common: Dict, rank_extra: 
         return _save_checkpoint(root, iteration, built, common, rank_extra, record)
     except OSError as exc:
         raise CheckpointError(_save_failure(root, iteration, exc)) from exc
-    except RuntimeError as exc:
-        if not save_errors.is_zip_writer_failure(exc):  # torch.save's ENOSPC names no errno
+    except Exception as exc:  # noqa: BLE001 - re-raised unless a full disk or out of descriptors
+        # torch.save's ENOSPC names no errno; megatron wraps a writer's EMFILE in a RuntimeError
+        if not (save_errors.is_zip_writer_failure(exc) or save_errors.out_of_files(exc, dist.get_rank())):
             raise
         raise CheckpointError(_save_failure(root, iteration, exc)) from exc
     except CheckpointException as exc:
@@ -418,6 +410,7 @@ def check_record(flag: str, path: str, manifest: Dict, record: Optional[Dict],
         print(f"[checkpoint] {flag} {path}: written with {'; '.join(notes)}", flush=True)
 
 
+@save_errors.names_open_file_limit("--load")
 def load_checkpoint(root: str, built, iteration: Optional[int] = None, record: Optional[Dict] = None,
                     load_optim: bool = True):
     """Collective: restore model, optimizer and RNG. Returns (saved ``common`` dict, this
@@ -482,6 +475,7 @@ def _refresh_main_params(built) -> None:
             reload()
 
 
+@save_errors.names_open_file_limit("--init-from")
 def load_model_weights(path: str, built, record: Optional[Dict] = None) -> int:
     """Load only the model weights (any TP/PP layout) from ``path``: a checkpoint root (its
     latest iteration) or one ``iter_*`` directory. Optimizer state, iteration and data position
