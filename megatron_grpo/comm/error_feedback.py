@@ -271,6 +271,19 @@ class ErrorFeedback:
     # ------------------------------------------------------------------ one step
     def owed(self, key: Hashable, grad: torch.Tensor) -> torch.Tensor:
         """Add the residual of ``key`` into ``grad`` in place (grad becomes c = g + r); returns it."""
+        residual = self.residual_to_add(key, grad)
+        if residual is not None:
+            if isinstance(residual, QuantisedResidual):
+                residual.add_into(grad)
+            else:
+                grad.add_(residual)  # a bf16 residual is widened exactly inside the add
+            self.residual_added(key, residual)
+        return grad
+
+    def residual_to_add(self, key: Hashable, grad: torch.Tensor) -> Optional[Residual]:
+        """The residual of ``key`` as stored, on ``grad``'s device, checked against ``grad``
+        (None before its first commit): what ``owed`` adds. A caller that adds it itself (the
+        fused CUDA kernel, comm/fused_codec.py) calls ``residual_added`` once its kernel is issued."""
         if not isinstance(grad, torch.Tensor) or grad.dim() != 1 or grad.dtype != torch.float32:
             raise ValueError(f"ErrorFeedback.owed: grad must be a 1-D torch.float32 tensor, got "
                              f"{getattr(grad, 'dtype', type(grad))} with shape "
@@ -283,18 +296,18 @@ class ErrorFeedback:
             if residual.device != grad.device:  # loaded from a checkpoint onto the CPU
                 residual = residual.to(grad.device)
                 self._residuals[key] = residual
-            if isinstance(residual, QuantisedResidual):
-                residual.add_into(grad)
-            else:
-                grad.add_(residual)  # a bf16 residual is widened exactly inside the add
-            # On GPU this add is queued on GRPO's side stream, and an offloading store frees the
-            # residual's memory right below; a residual it fetched on the main stream would go
-            # back to the main stream's pool with the add still pending (comm/streams.py).
-            streams.used_on_current_stream(backing_tensor(residual))
-            release = getattr(self._residuals, "release", None)
-            if release is not None:  # read once per step; commit writes a new one
-                release(key)
-        return grad
+        return residual
+
+    def residual_added(self, key: Hashable, residual: Residual) -> None:
+        """The residual of ``key`` was read this step (its add issued): protect its memory on
+        this stream and let an offloading store release it."""
+        # On GPU this add is queued on GRPO's side stream, and an offloading store frees the
+        # residual's memory right below; a residual it fetched on the main stream would go
+        # back to the main stream's pool with the add still pending (comm/streams.py).
+        streams.used_on_current_stream(backing_tensor(residual))
+        release = getattr(self._residuals, "release", None)
+        if release is not None:  # read once per step; commit writes a new one
+            release(key)
 
     def stage(self, key: Hashable, grad: torch.Tensor, payload: torch.Tensor, rank: int,
               compressor, zero_index: Optional[torch.Tensor] = None, stats=None,
