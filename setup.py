@@ -34,7 +34,10 @@ setup(
         "tensorboard",
     ],
     extras_require={
-        "test": ["pytest>=8", "transformers"],
+        # triton: the fused codec kernels' tests (interpreter, sm_90 compile). CUDA torch wheels
+        # bring their own pinned triton, which this leaves alone; launch/setup_env.sh pins the
+        # CPU set-up's to torch 2.13.0's (3.7.1). Linux x86-64 and aarch64 wheels only.
+        "test": ["pytest>=8", "transformers", "triton; platform_system == 'Linux'"],
         # checkpoints/grpo_ckpt.py to-hf / from-hf, HF tokenizers (tokenizers and safetensors
         # come with transformers)
         "convert": ["transformers"],

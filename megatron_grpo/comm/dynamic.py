@@ -20,13 +20,12 @@ depend only on the bucket layout.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.comm import streams
+from megatron_grpo.comm import fused_codec, streams
 from megatron_grpo.comm.compress import Compressor
 from megatron_grpo.comm.error_feedback import ErrorFeedback
 from megatron_grpo.comm.replicated import ReplicatedElements
@@ -96,13 +95,13 @@ class CompressedReduceScatter(InFlightReduceScatter):
         self.grad = grad
         self.replicated = replicated
         exact = replicated.take(grad) if replicated is not None else None
-        owed = ef.owed(key, grad).view(self.dp, self.shard_len)
-        self.send = compressor.compress_rows(owed)
-        # The new residual is computed now, while grad still holds every shard's c: after the
-        # exchange the megatron glue may free the bucket's gradient (issue 28).
-        ef.stage(key, grad, self.send, rank, compressor,
-                 replicated.index if replicated is not None else None,
-                 stats=stats, block_elements=STATS_BLOCK_ELEMENTS)
+        # ef.owed, compress_rows and ef.stage (one fused kernel on CUDA where it fits). The new
+        # residual is computed now, while grad still holds every shard's c: after the
+        # exchange the megatron glue may free the bucket's gradient.
+        self.send = fused_codec.compress_with_feedback(
+            key, grad, self.dp, ef, compressor, rank,
+            replicated.index if replicated is not None else None,
+            stats=stats, block_elements=STATS_BLOCK_ELEMENTS)
         self.recv = torch.empty_like(self.send)
         self.work = dist.all_to_all_single(self.recv.view(-1), self.send.view(-1), group=group,
                                            async_op=async_op)
@@ -119,7 +118,7 @@ class CompressedReduceScatter(InFlightReduceScatter):
     def _finish(self) -> None:
         # The local shard view held this rank's own gradient; it is replaced by the sum of what
         # every rank (this one included) delivered for it.
-        self.compressor.decompress_rows_sum(self.recv, self.shard_len, out=self.shard_out)
+        fused_codec.sum_rows(self.compressor, self.recv, self.shard_len, out=self.shard_out)
 
 
 @dataclass
@@ -139,6 +138,8 @@ def prepare_param_delta(param_flat: torch.Tensor, staged_master: torch.Tensor, c
     delta is the one the gather would compute."""
     shard_len = param_flat.numel() // dp
     rows = param_flat.view(dp, shard_len)
+    if replicated is None:  # C(master - copy); one fused kernel on CUDA where it fits
+        return PreparedDelta(fused_codec.compress_delta(compressor, staged_master, rows[rank]), None)
     delta = staged_master.to(torch.float32) - rows[rank].to(torch.float32)
     exact = replicated.split_update(delta, staged_master) if replicated is not None else None
     return PreparedDelta(compressor.compress_rows(delta.view(1, shard_len)), exact)
@@ -155,7 +156,7 @@ def gather_param_delta(param_flat: torch.Tensor, prepared: PreparedDelta, compre
     dist.all_gather_into_tensor(gathered.view(-1), payload.view(-1), group=group)
     if exact is not None:
         dist.all_reduce(exact, group=group)
-    rows.add_(compressor.decompress_rows(gathered, shard_len).to(rows.dtype))
+    fused_codec.add_decoded(compressor, gathered, rows)  # rows += D(q) in rows' dtype
     if exact is not None:
         replicated.apply_values(param_flat, exact)
 

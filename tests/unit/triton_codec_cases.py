@@ -190,6 +190,51 @@ def launch_budget() -> None:
     assert same_floats(total, comp.decompress_rows_sum(want, shard))
 
 
+def dynamic_tier(fmt: str) -> None:
+    """comm/dynamic.py's reduce-scatter and parameter gather (one rank, gloo) with the fused
+    path forced on CPU tensors: the same shard, residual and parameters as the eager path."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    from megatron_grpo.comm import dynamic
+    from megatron_grpo.comm import fused_codec as fc
+
+    comp, dp_shard = CODECS[fmt](8), 21
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        try:
+            results, real, launch, launched = [], fc.fused_enabled, fc._launch, []
+            fc._launch = lambda kernel, *a, **k: (launched.append(kernel.__name__), launch(kernel, *a, **k))
+            for fused in (False, True):
+                fc.fused_enabled = (lambda *t: True) if fused else real
+                try:
+                    ef = ErrorFeedback("int8", 8)
+                    shards = []
+                    for step in range(2):
+                        grad = values(1, dp_shard, 8, seed=20 + step, special=step == 1).view(-1)
+                        out = torch.empty(dp_shard)
+                        dynamic.CompressedReduceScatter("b", grad, out, ef, comp, None, False)
+                        shards.append(out)
+                        ef.commit()
+                    param = values(1, dp_shard, 8, seed=30, special=False).view(-1).to(torch.bfloat16)
+                    master = values(1, dp_shard, 8, seed=31, special=False).view(-1)
+                    dynamic.compressed_param_gather(param, master, comp, None)
+                    results.append((shards, ef.stored("b").payload, param))
+                finally:
+                    fc.fused_enabled = real
+                assert sorted(set(launched)) == ([] if not fused else [
+                    "decode_add_kernel", "decode_sum_kernel", "encode_feedback_kernel",
+                    "encode_rows_kernel"]), launched
+        finally:
+            fc._launch = launch
+            dist.destroy_process_group()
+    (eager_shards, eager_res, eager_param), (shards, res, param) = results
+    assert all(same_floats(a, b) for a, b in zip(shards, eager_shards)), "reduced shards differ"
+    assert torch.equal(res, eager_res), "residual bytes differ"
+    assert torch.equal(param, eager_param), "parameter copies differ"
+
+
 CASES = {}
 for _fmt in CODECS:
     for _i in range(len(SHAPES)):
@@ -205,6 +250,7 @@ for _fmt in CODECS:
                 (feedback, (_fmt, _i, _special))
     for _rows in SUM_ROWS:
         CASES[f"decode_sum-{_fmt}-dp{_rows}"] = (decode_sum, (_fmt, _rows))
+    CASES[f"dynamic_tier-{_fmt}"] = (dynamic_tier, (_fmt,))
 CASES["launch_budget"] = (launch_budget, ())
 
 
