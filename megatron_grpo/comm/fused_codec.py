@@ -1,7 +1,7 @@
 """The dynamic tier's codec steps, fused for CUDA (Triton kernels: comm/triton_codec.py) or eager.
 
 Each step below picks the fused kernels when its tensors are on CUDA, triton imports and the
-case is one the kernels cover (``fused_enabled`` and the ``_fits_*`` checks), and otherwise runs
+case is one the kernels cover (``fused_enabled``, ``_codec_fits``, ``_feedback_fits``), and otherwise runs
 the eager codec exactly as before, so nothing changes on the CPU. The fused kernels reproduce
 the eager bytes: payloads and int8 residuals byte for byte, decoded sums bit for bit
 (tests/unit/test_triton_codec.py, under Triton's interpreter).
@@ -17,10 +17,12 @@ step                               eager (reference, CPU path)             fused
 =================================  ======================================  ====================
 
 Fused only where: int4 / int8 compressors (int4 with an even chunk, or one chunk a row), the
-int8 residual dtype for the feedback step, no monitoring-step statistics and no exactly-synced
-(tensor-parallel replicated) elements, fewer than 2**12 rows summed, and tensors small enough
-for int32 offsets. Everything else is eager. ``MEGATRON_GRPO_FUSED_CODEC=0`` turns the fused
-kernels off (nothing has been measured on a GPU yet: docs/compression.md, "Fused kernels").
+int8 residual dtype for the feedback step, no monitoring-step statistics, fewer than 2**12 rows
+summed, and tensors small enough for int32 offsets. Everything else is eager. Elements sent
+exactly (tensor-parallel replicated ones, ``zero_index``) are fused: a bit mask made once per
+bucket (numel / 8 bytes, kept while the bucket's index lives) zeroes their residual.
+``MEGATRON_GRPO_FUSED_CODEC=0`` turns the fused kernels off (nothing has been measured on a GPU
+yet: docs/compression.md, "Fused kernels on CUDA (Triton)").
 
 One difference on the fused feedback path: the eager ``owed`` leaves c = g + r in the gradient
 buffer; the kernel reads g and never writes it back (4 bytes per element saved). The buffer's
@@ -31,7 +33,8 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Hashable, Optional, Tuple
+import weakref
+from typing import Dict, Hashable, Optional, Tuple
 
 import torch
 
@@ -102,10 +105,11 @@ def encode_rows(compressor, a2d: torch.Tensor, b2d: Optional[torch.Tensor] = Non
 
 
 def encode_feedback(grad: torch.Tensor, dp: int, compressor,
-                    residual: Optional[QuantisedResidual],
-                    chunk: int) -> Tuple[torch.Tensor, QuantisedResidual]:
+                    residual: Optional[QuantisedResidual], chunk: int,
+                    zero_mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, QuantisedResidual]:
     """(payload [dp, P] of c = grad + residual as dp rows, new residual c - D(q) as int8 in
-    chunks of ``chunk``) as one kernel: what owed + compress_rows + stage compute."""
+    chunks of ``chunk``, 0 where the uint8 ``zero_mask`` is set) as one kernel: what owed,
+    compress_rows and stage compute."""
     numel = grad.numel() // dp
     n_c, code_bytes, width = _layout(compressor, numel)
     payload = torch.empty((dp, width), dtype=torch.uint8, device=grad.device)
@@ -113,11 +117,12 @@ def encode_feedback(grad: torch.Tensor, dp: int, compressor,
     old = new.payload if residual is None else residual.payload  # not read without a residual
     _launch(kernels().encode_feedback_kernel, (new.payload.shape[0],), grad,
             old, old.view(torch.float32), payload, payload.view(torch.float32),
-            new.payload, new.payload.view(torch.float32),
+            new.payload, new.payload.view(torch.float32), grad if zero_mask is None else zero_mask,
             grad.numel(), numel, n_c, code_bytes, width, width // 4,
             C=compressor.chunk, BITS=compressor.bits,
             BLOCK_H=_pow2(-(-min(compressor.chunk, numel) // 2)),
-            RC=chunk, BLOCK_R=_pow2(chunk), W=new.payload.shape[1], HAS_RES=residual is not None)
+            RC=chunk, BLOCK_R=_pow2(chunk), W=new.payload.shape[1], HAS_RES=residual is not None,
+            HAS_ZERO=zero_mask is not None)
     return payload, new
 
 
@@ -146,8 +151,31 @@ def decode_add(compressor, payload2d: torch.Tensor, dst2d: torch.Tensor) -> torc
 
 # ---- what comm/dynamic.py calls: fused where it fits, the eager codec elsewhere -----------
 
+_ZERO_MASKS: Dict[int, tuple] = {}  # id(zero_index) -> (weak ref to it, numel, its bit mask)
+
+
+def _zero_mask(zero_index: Optional[torch.Tensor], numel: int) -> Optional[torch.Tensor]:
+    """A bit mask of the elements ``zero_index`` lists (element e: bit e % 8 of byte e // 8;
+    None for none), made once per index tensor, as a bucket's replicated elements do not change
+    (marking them in the kernel's input each step would be eager ops). It holds numel / 8
+    bytes for as long as the index tensor lives."""
+    if zero_index is None or zero_index.numel() == 0:
+        return None
+    held = _ZERO_MASKS.get(id(zero_index))
+    if held is not None and held[0]() is zero_index and held[1] == numel:
+        return held[2]
+    for key in [k for k, (ref, _, _) in _ZERO_MASKS.items() if ref() is None]:
+        del _ZERO_MASKS[key]
+    dense = torch.zeros(-(-numel // 8) * 8, dtype=torch.uint8, device=zero_index.device)
+    dense.index_fill_(0, zero_index, 1)
+    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=dense.device)
+    mask = dense.view(-1, 8).mul_(weights).sum(dim=1, dtype=torch.uint8)
+    _ZERO_MASKS[id(zero_index)] = (weakref.ref(zero_index), numel, mask)
+    return mask
+
+
 def _feedback_fits(grad, dp, ef, compressor, zero_index, stats) -> bool:
-    return (stats is None and (zero_index is None or zero_index.numel() == 0)
+    return (stats is None and (zero_index is None or zero_index.device == grad.device)
             and ef.dtype == "int8" and ef.chunk <= 1 << 16 and grad.is_contiguous()
             and grad.numel() % dp == 0 and grad.numel() < _INT32
             and _codec_fits(compressor, grad.numel() // dp, dp) and fused_enabled(grad))
@@ -164,7 +192,8 @@ def compress_with_feedback(key: Hashable, grad: torch.Tensor, dp: int, ef: Error
         residual = ef.residual_to_add(key, grad)
         # An int8 store holds QuantisedResidual; one loaded with another chunk goes eager.
         if residual is None or (isinstance(residual, QuantisedResidual) and residual.chunk == ef.chunk):
-            send, new = encode_feedback(grad, dp, compressor, residual, ef.chunk)
+            send, new = encode_feedback(grad, dp, compressor, residual, ef.chunk,
+                                        _zero_mask(zero_index, grad.numel()))
             if residual is not None:
                 ef.residual_added(key, residual)
             ef.stage_residual(key, new)

@@ -157,11 +157,11 @@ def _owed(g_ptr, old_u8, old_f32, e, mask, RC: tl.constexpr, W: tl.constexpr,
 
 
 @triton.jit
-def encode_feedback_kernel(g_ptr, old_u8, old_f32, pay_u8, pay_f32, new_u8, new_f32,
+def encode_feedback_kernel(g_ptr, old_u8, old_f32, pay_u8, pay_f32, new_u8, new_f32, zero_ptr,
                            total, N, n_c, code_bytes, P, P4,
                            C: tl.constexpr, BITS: tl.constexpr, BLOCK_H: tl.constexpr,
                            RC: tl.constexpr, BLOCK_R: tl.constexpr, W: tl.constexpr,
-                           HAS_RES: tl.constexpr):
+                           HAS_RES: tl.constexpr, HAS_ZERO: tl.constexpr):
     """One bucket's send payload and new int8 residual in one pass; program k owns residual
     chunk k, flat elements [k RC, k RC + RC) of the [dp, N] bucket g.
 
@@ -172,7 +172,8 @@ def encode_feedback_kernel(g_ptr, old_u8, old_f32, pay_u8, pay_f32, new_u8, new_
     those that start in its range (each chunk is written once), and from the scales codes its
     own elements, decodes them and quantises r' = c - D(q) to its residual chunk. Nothing is
     written that another program reads: g and the old residual are read-only; unlike the eager
-    ``owed``, the gradient buffer is not overwritten with c."""
+    ``owed``, the gradient buffer is not overwritten with c. HAS_ZERO: r' is 0 where bit e % 8
+    of byte e // 8 of ``zero_ptr`` is set (elements sent exactly, whose residual stage() zeroes)."""
     k = tl.program_id(0)
     lo = k * RC
     hi = tl.minimum(lo + RC, total)
@@ -204,6 +205,9 @@ def encode_feedback_kernel(g_ptr, old_u8, old_f32, pay_u8, pay_f32, new_u8, new_
     c = _owed(g_ptr, old_u8, old_f32, e, in_range, RC, W, HAS_RES)
     q = _codes(c, inv_t, 1 << (BITS - 1)) - (1 << (BITS - 1))
     r = tl.where(in_range, c - q.to(tl.float32) * scale_t, 0.0)
+    if HAS_ZERO:
+        bits = tl.load(zero_ptr + e // 8, mask=in_range, other=0).to(tl.int32)
+        r = tl.where(((bits >> (e & 7)) & 1) != 0, 0.0, r)
     # The new residual as QuantisedResidual.write quantises it (the int8 codec, one chunk a row).
     amax, has_nan = _absmax(r)
     rscale, rinv = _scale_inv(amax, has_nan, 127)

@@ -66,14 +66,14 @@ KERNELS = {  # name -> (signature without constexprs, constexprs, divides)
         dict(C=256, BITS=4, BLOCK_H=128, SUB=True), True),
     "encode_feedback_int4": ("encode_feedback_kernel", dict(
         {"g_ptr": "*fp32"}, **_payload_args("old_u8", "old_f32", "pay_u8", "pay_f32", "new_u8",
-                                            "new_f32"),
+                                            "new_f32"), zero_ptr="*u8",
         **dict.fromkeys(("total", "N", "n_c", "code_bytes", "P", "P4"), "i32")),
-        dict(C=256, BITS=4, BLOCK_H=128, RC=256, BLOCK_R=256, W=260, HAS_RES=True), True),
+        dict(C=256, BITS=4, BLOCK_H=128, RC=256, BLOCK_R=256, W=260, HAS_RES=True, HAS_ZERO=True), True),
     "encode_feedback_int8": ("encode_feedback_kernel", dict(
         {"g_ptr": "*fp32"}, **_payload_args("old_u8", "old_f32", "pay_u8", "pay_f32", "new_u8",
-                                            "new_f32"),
+                                            "new_f32"), zero_ptr="*u8",
         **dict.fromkeys(("total", "N", "n_c", "code_bytes", "P", "P4"), "i32")),
-        dict(C=256, BITS=8, BLOCK_H=128, RC=256, BLOCK_R=256, W=260, HAS_RES=False), True),
+        dict(C=256, BITS=8, BLOCK_H=128, RC=256, BLOCK_R=256, W=260, HAS_RES=False, HAS_ZERO=False), True),
     "decode_sum_int4": ("decode_sum_kernel", dict(
         PAYLOAD, out_ptr="*fp32", **dict.fromkeys(("R", "N", "n_c", "P", "P4"), "i32")),
         dict(C=256, BITS=4, BLOCK=1024), False),
@@ -167,16 +167,15 @@ def test_fused_only_with_cuda_tensors_triton_and_the_switch_on(monkeypatch):
         fc.kernels.cache_clear()
 
 
-@pytest.mark.parametrize("case", ["stats", "replicated", "fp32 residual", "topk", "odd int4 chunk"])
+@pytest.mark.parametrize("case", ["stats", "fp32 residual", "topk", "odd int4 chunk"])
 def test_cases_the_kernels_do_not_cover_stay_eager(monkeypatch, no_launch, case):
     """With the fused path forced on, what the kernels do not cover still runs the eager codec."""
     monkeypatch.setattr(fc, "fused_enabled", lambda *tensors: True)
     comp = {"topk": TopKCompressor(0.3), "odd int4 chunk": Int4Compressor(7)}.get(case, Int8Compressor(8))
     ef = ErrorFeedback("fp32" if case == "fp32 residual" else "int8", 8)
     grad, seen = cases.values(2, 16, 8, seed=5, special=False).view(-1), []
-    zero = torch.tensor([3]) if case == "replicated" else None
     stats = (lambda applied, owed: seen.append(1)) if case == "stats" else None
-    fc.compress_with_feedback("b", grad, 2, ef, comp, 0, zero, stats=stats)
+    fc.compress_with_feedback("b", grad, 2, ef, comp, 0, torch.tensor([3]), stats=stats)
     assert ef.staged("b") is not None and (case != "stats" or seen)
 
 

@@ -28,6 +28,7 @@ SHAPES = [(1, 1, 8), (3, 5, 8), (2, 21, 8), (4, 16, 8), (3, 37, 16), (2, 9, 4)]
 # a residual chunk spanning several shards, chunks that differ, a short last residual chunk
 FEEDBACK = [(2, 16, 8, 8), (3, 12, 8, 8), (5, 3, 8, 8), (3, 20, 8, 6), (2, 11, 4, 16),
             (1, 1, 8, 8), (4, 7, 2, 5)]
+EXACT = torch.tensor([0, 5, 6, 13])  # elements sent exactly (replicated), whose residual stays 0
 SUM_ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17, 33]
 
 
@@ -88,24 +89,29 @@ def delta(fmt: str, dtype: str) -> None:
     assert torch.equal(fc.encode_rows(comp, master.view(1, -1), copy.view(1, -1)), want)
 
 
-def _eager_step(ef: ErrorFeedback, g: torch.Tensor, dp: int, comp) -> torch.Tensor:
+def _eager_step(ef: ErrorFeedback, g: torch.Tensor, dp: int, comp, zero=None) -> torch.Tensor:
     grad = g.clone()
     send = comp.compress_rows(ef.owed("b", grad).view(dp, -1))
-    ef.stage("b", grad, send, 0, comp)
+    ef.stage("b", grad, send, 0, comp, zero)
     return send
 
 
-def feedback(fmt: str, case: int, special: bool) -> None:
-    """Two steps (no residual yet, then the committed int8 one): payload and residual bytes."""
+def feedback(fmt: str, case: int, special: bool, exact: bool = False) -> None:
+    """Two steps (no residual yet, then the committed int8 one): payload and residual bytes;
+    ``exact``: with elements whose residual is zeroed (as the caller zeroed their gradient)."""
     from megatron_grpo.comm import fused_codec as fc
     dp, shard, chunk, rchunk = FEEDBACK[case]
     comp = CODECS[fmt](chunk)
     ef = ErrorFeedback("int8", rchunk)
+    zero = EXACT[EXACT < dp * shard] if exact else None
     for step in range(2):
         g = values(dp, shard, chunk, seed=10 * case + step, special=special and step == 1).view(-1)
+        if zero is not None:
+            g[zero] = 0.0
         residual = ef.stored("b")
-        send, new = fc.encode_feedback(g.clone(), dp, comp, residual, rchunk)
-        want = _eager_step(ef, g, dp, comp)
+        send, new = fc.encode_feedback(g.clone(), dp, comp, residual, rchunk,
+                                       fc._zero_mask(zero, g.numel()))
+        want = _eager_step(ef, g, dp, comp, zero)
         assert torch.equal(send, want), f"step {step}: payload bytes differ"
         assert torch.equal(new.payload, ef.staged("b").payload), f"step {step}: residual bytes differ"
         ef.commit()
@@ -138,8 +144,8 @@ ALLOWED_OPS = {"empty.memory_format", "empty_strided.default", "view.default", "
 
 
 def launch_budget() -> None:
-    """The fused reduce-scatter path of one bucket (compress_with_feedback with an int8 residual,
-    then sum_rows on what arrives) forced on CPU tensors: at most 3 kernel launches, and no torch
+    """The fused reduce-scatter path of one bucket (compress_with_feedback with an int8 residual
+    and exact elements, then sum_rows on what arrives) forced on CPU tensors: at most 3 kernel launches, and no torch
     op but allocations and views; its payload and staged residual are the eager ones."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -163,6 +169,8 @@ def launch_budget() -> None:
         _eager_step(e, values(dp, shard, 8, seed=1, special=False).view(-1), dp, comp)
         e.commit()
     g = values(dp, shard, 8, seed=2).view(-1)
+    g[EXACT] = 0.0  # replicated elements: zeroed in the gradient, their residual kept at 0
+    fc._zero_mask(EXACT, g.numel())  # made once per bucket, at its first step
     launches, mode = [], Ops()
     real, enabled = fc._launch, fc.fused_enabled
 
@@ -178,14 +186,14 @@ def launch_budget() -> None:
     try:
         grad = g.clone()
         with mode:
-            send = fc.compress_with_feedback("b", grad, dp, ef, comp, 0)
+            send = fc.compress_with_feedback("b", grad, dp, ef, comp, 0, EXACT)
             total = fc.sum_rows(comp, send, shard)
     finally:
         fc._launch, fc.fused_enabled = real, enabled
     assert launches == ["encode_feedback_kernel", "decode_sum_kernel"], launches
     other = sorted({op for op in mode.seen if op not in ALLOWED_OPS})
     assert not other, f"eager ops on the fused path: {other}"
-    want = _eager_step(ref, g, dp, comp)
+    want = _eager_step(ref, g, dp, comp, EXACT)
     assert torch.equal(send, want) and torch.equal(ef.staged("b").payload, ref.staged("b").payload)
     assert same_floats(total, comp.decompress_rows_sum(want, shard))
 
@@ -248,6 +256,7 @@ for _fmt in CODECS:
         for _special in (False, True):
             CASES[f"feedback-{_fmt}-{FEEDBACK[_i]}-{'special' if _special else 'plain'}"] = \
                 (feedback, (_fmt, _i, _special))
+        CASES[f"feedback-{_fmt}-{FEEDBACK[_i]}-exact-elements"] = (feedback, (_fmt, _i, True, True))
     for _rows in SUM_ROWS:
         CASES[f"decode_sum-{_fmt}-dp{_rows}"] = (decode_sum, (_fmt, _rows))
     CASES[f"dynamic_tier-{_fmt}"] = (dynamic_tier, (_fmt,))
