@@ -216,3 +216,37 @@ def test_the_summing_order_is_the_eager_pairwise_tree_for_every_row_count():
 @needs_triton
 def test_both_modules_agree_on_the_sum_limit(jit_kernels):
     assert jit_kernels.SUM_LEVELS == fc.SUM_LEVELS
+
+
+@needs_triton
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the CPU runs the "
+                    "kernels under the interpreter above)")
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_compiled_kernels_on_cuda_match_the_eager_codec(fmt):
+    """On a GPU: the compiled kernels through the real selection, at bucket-like sizes (a shard
+    not a multiple of the chunk), against the eager codec on the same device and on the CPU."""
+    comp, dp, shard = cases.CODECS[fmt](256), 8, 300_000 + 128
+    assert fc.fused_enabled(torch.zeros(1, device="cuda"))
+    efs = {name: ErrorFeedback("int8", 256) for name in ("fused", "eager", "cpu")}
+    exact = torch.tensor([0, 1000, 299_999, 1_000_003])
+    for step in range(3):
+        g = cases.values(dp, shard, 256, seed=step, special=step == 2).view(-1)
+        g[exact] = 0.0
+        sends = {}
+        for name, ef in efs.items():
+            device = "cpu" if name == "cpu" else "cuda"
+            grad, zero = g.to(device, copy=True), exact.to(device)
+            if name == "fused":
+                sends[name] = fc.compress_with_feedback("b", grad, dp, ef, comp, 0, zero)
+            else:
+                sends[name] = comp.compress_rows(ef.owed("b", grad).view(dp, -1))
+                ef.stage("b", grad, sends[name], 0, comp, zero)
+        assert torch.equal(sends["fused"].cpu(), sends["eager"].cpu())
+        assert torch.equal(sends["fused"].cpu(), sends["cpu"])
+        staged = [ef.staged("b").payload.cpu() for ef in efs.values()]
+        assert torch.equal(staged[0], staged[1]) and torch.equal(staged[0], staged[2])
+        for ef in efs.values():
+            ef.commit()
+        got = fc.sum_rows(comp, sends["fused"], shard)
+        assert cases.same_floats(got.cpu(), comp.decompress_rows_sum(sends["eager"], shard).cpu())
+        assert cases.same_floats(got.cpu(), comp.decompress_rows_sum(sends["cpu"], shard))
