@@ -43,6 +43,9 @@ def parse_args(argv=None):
     p.add_argument("--stable-interval", type=int, default=2, help="GRPOConfig.stable_interval")
     p.add_argument("--stable-share", type=float, default=0.2, help="GRPOConfig.stable_share: 0 "
                    "by default there (issue 9's front); on here so the example shows all three tiers")
+    p.add_argument("--compress", default="all", help="GRPOConfig.compress: all here, so the "
+                   "demo shows the compressed sync on localhost, where auto (the default of "
+                   "real runs) measures that it does not pay and syncs exactly")
     p.add_argument("--bucket-mb", type=float, default=0.04, help="tier unit size in MB "
                    "(GRPOConfig.bucket_mb; 128 on real models)")
     p.add_argument("--num-layers", type=int, default=2)
@@ -106,8 +109,8 @@ def main(argv=None):
 
     # 4. GRPO settings (the same fields as the --grpo-* flags of launch/pretrain_gpt.py), short
     #    schedules so that tiers appear within a few steps.
-    grpo = GRPOConfig(enabled=True, bucket_mb=args.bucket_mb, warmup_iters=args.warmup,
-                      retier_interval=8, stable_interval=args.stable_interval,
+    grpo = GRPOConfig(enabled=True, compress=args.compress, bucket_mb=args.bucket_mb,
+                      warmup_iters=args.warmup, retier_interval=8, stable_interval=args.stable_interval,
                       gvr_interval=args.stable_interval, stable_share=args.stable_share,
                       dynamic_share=0.85 - args.stable_share)
     grpo.validate(dist.get_world_size())

@@ -148,25 +148,29 @@ def group_spans_nodes(group, ranks_per_node: Optional[int]) -> bool:
     return len({r // ranks_per_node for r in ranks}) > 1
 
 
-def _timed(fn: Callable[[], None], device: torch.device, repeats: int) -> float:
-    """Least wall time of ``repeats`` calls after one warm-up call (the first pays allocation
-    and, on CUDA, kernel compilation)."""
+def _timed_rounds(fns: List[Callable[[], None]], device: torch.device, repeats: int) -> List[float]:
+    """Median wall time of each of ``fns``, run in turn ``repeats`` times after one warm-up
+    round (the first call pays allocation and, on CUDA, kernel compilation). Interleaved and the
+    median, not the least: a machine shared with other work stalls a call now and then, and a
+    stall must not decide which path is faster."""
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    fn()
-    sync()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
+    for fn in fns:
         fn()
-        sync()
-        best = min(best, time.perf_counter() - start)
-    return best
+    sync()
+    samples: List[List[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            sync()
+            samples[i].append(time.perf_counter() - start)
+    return [statistics.median(s) for s in samples]
 
 
 def probe(group, numel: int, compressors: Dict[str, object], device, grad_dtype=torch.float32,
-          param_dtype=torch.float32, residual_dtype: str = "int8", repeats: int = 3,
+          param_dtype=torch.float32, residual_dtype: str = "int8", repeats: int = 5,
           agree_group=None) -> ProbeResult:
     """Time one bucket's exact and compressed paths on ``group`` (see the module docstring).
     Every rank of ``agree_group`` (default: the whole job) must call it with the same arguments;
@@ -188,7 +192,7 @@ def probe(group, numel: int, compressors: Dict[str, object], device, grad_dtype=
         dist.reduce_scatter_tensor(out_shard, work, group=group)
         dist.all_gather_into_tensor(params, params[rank * shard:(rank + 1) * shard].clone(), group=group)
 
-    times = [_timed(exact, device, repeats)]
+    fns = [exact]
     formats = sorted(compressors)
     for fmt in formats:
         comp = compressors[fmt]
@@ -208,7 +212,8 @@ def probe(group, numel: int, compressors: Dict[str, object], device, grad_dtype=
             payload = comp.compress_rows(grad.to(torch.float32).view(dp, shard))
             comp.decompress_rows_sum(payload, shard)
 
-        times += [_timed(compressed, device, repeats), _timed(codec, device, repeats)]
+        fns += [compressed, codec]
+    times = _timed_rounds(fns, device, repeats)
     # The slowest rank decides, the same numbers on every rank.
     t = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=agree_group)

@@ -99,7 +99,7 @@ class GRPOConfig:
     at most 0.9x the exact one's time on this run's group, confirmed by an A/B of step time
     after the warm-up), all (every tier compresses everywhere), inter-node (only a group whose
     ranks span nodes) or none (every sync exact, megatron's own; importance, tiers, the memory
-    tier and the sampled backward still run). docs/compression.md, "Where compression pays"."""
+    tier and the sampled backward still run). docs/links.md."""
     compress_ab_steps: int = 4
     """Steps of each half of --grpo-compress auto's A/B (compressed, then exact) after the
     warm-up; 0: the start-up measurement alone decides."""

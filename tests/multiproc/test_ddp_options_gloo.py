@@ -65,7 +65,7 @@ def _synced_shard(rank, average, tier, cp):
                                                bucket_size=BUCKET, grad_reduce_in_fp32=True,
                                                average_in_collective=average)
     ddp = DistributedDataParallel(tf, ddp_config, module)
-    ctrl = GRPOController(GRPOConfig(enabled=True, compressor="int8", core_compressor="none"), [ddp],
+    ctrl = GRPOController(GRPOConfig(enabled=True, compress="all", compressor="int8", core_compressor="none"), [ddp],
                           torch.device("cpu"), grpo_data_parallel_group())
     install([ddp], ctrl)
     ctrl.tiers = [tier] * len(ctrl.units)

@@ -72,7 +72,7 @@ def _run(rank):
         grad_reduce_in_fp32=True), module)
     optimizer = get_grpo_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True,
                                                    clip_grad=0.0), [ddp])
-    ctrl = GRPOController(GRPOConfig(enabled=True, warmup_iters=100, compressor="int4"), [ddp],
+    ctrl = GRPOController(GRPOConfig(enabled=True, compress="all", warmup_iters=100, compressor="int4"), [ddp],
                           torch.device("cpu"), grpo_data_parallel_group())
     install([ddp], ctrl)
     for opt in grpo_optimizers(optimizer):

@@ -21,7 +21,7 @@ from harness import REPO, SMALL_MODEL, stop_and_resume, train_and_read
 
 NODES = {"MEGATRON_GRPO_RANKS_PER_NODE": "2"}
 ITERS = 20
-PERIODIC = ["--grpo", "--grpo-bucket-mb", "0.04", "--grpo-warmup-iters", "6",
+PERIODIC = ["--grpo", "--grpo-compress", "all", "--grpo-bucket-mb", "0.04", "--grpo-warmup-iters", "6",
             "--grpo-retier-interval", "8", "--grpo-importance-interval", "1",
             "--grpo-core-share", "0.15", "--grpo-dynamic-share", "0.65", "--grpo-stable-share", "0.2",
             "--grpo-max-dynamic-share", "0.7",

@@ -32,7 +32,7 @@ from megatron_grpo.training.memory_budget import spec_from_flags
 ITERS = 12
 ARGS = [*SMALL_MODEL, "--train-iters", str(ITERS), "--eval-iters", "0", "--eval-interval", str(ITERS),
         "--num-distributed-optimizer-instances", "2",
-        "--grpo", "--grpo-bucket-mb", "0.04", "--grpo-warmup-iters", "6", "--grpo-retier-interval", "8",
+        "--grpo", "--grpo-compress", "all", "--grpo-bucket-mb", "0.04", "--grpo-warmup-iters", "6", "--grpo-retier-interval", "8",
         "--grpo-importance-interval", "1", "--grpo-core-share", "0.15", "--grpo-dynamic-share", "0.65",
         "--grpo-stable-share", "0.2", "--grpo-max-dynamic-share", "0.7", "--grpo-core-compressor", "int8",
         "--grpo-dynamic-sync-interval", "4", "--grpo-stable-mode", "local", "--grpo-stable-interval", "4",

@@ -58,7 +58,7 @@ def _train(rank):
     ddp = DistributedDataParallel(tf, DistributedDataParallelConfig(
         overlap_grad_reduce=True, use_distributed_optimizer=True, bucket_size=BUCKET,
         grad_reduce_in_fp32=True), module)
-    ctrl = GRPOController(GRPOConfig(enabled=True, warmup_iters=100), [ddp], torch.device("cpu"),
+    ctrl = GRPOController(GRPOConfig(enabled=True, compress="all", warmup_iters=100), [ddp], torch.device("cpu"),
                           grpo_data_parallel_group())
     install([ddp], ctrl)
     ctrl.tiers = ["dynamic"] * len(ctrl.units)
