@@ -11,6 +11,10 @@
 #   bash tools/gpu_check.sh --list
 #   bash tools/gpu_check.sh --fetch-wheels  # fill .whl/ (needs the network; do it before a loan)
 #   bash tools/gpu_check.sh --megatron 0.19.2 --phases a b c d   # the same phases on megatron-core 0.19.2
+#   bash tools/gpu_check.sh --codec         # the codec check instead (tools/gpu_checks/codec.py: codec
+#                                           # GB/s, launches, fused = eager, GPT step with and without
+#                                           # GRPO; ~3 minutes on an H100, limit 300 s; OUT/codec.*)
+#   bash tools/gpu_check.sh --codec --cpu   # its CPU dry run (tests/unit/test_gpu_check_codec.py)
 #
 # The device image has torch (CUDA) and transformers but no megatron-core: the check carries it
 # as wheels in .whl/ (git-ignored, about 10 MB: carry it to the device machine with the working
@@ -33,8 +37,11 @@ export OUT PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 PY="${PYTHON:-python3}"
 
 ARGS=()
+SCRIPT=tools/gpu_check.py
+RESULT=summary.txt
 while [ $# -gt 0 ]; do
   case "$1" in
+    --codec) SCRIPT=tools/gpu_checks/codec.py; RESULT=codec.txt; shift ;;
     --megatron)
       [ $# -ge 2 ] || { echo "tools/gpu_check.sh: --megatron needs a version, e.g. --megatron 0.19.2" >&2; exit 2; }
       export GPU_CHECK_MEGATRON="$2"; shift 2 ;;
@@ -45,7 +52,7 @@ set -- "${ARGS[@]+"${ARGS[@]}"}"
 
 for arg in "$@"; do
   case "$arg" in
-    --list|-h|--help) exec "$PY" tools/gpu_check.py "$@" ;;
+    --list|-h|--help) exec "$PY" "$SCRIPT" "$@" ;;
     --fetch-wheels)
       set -e
       mkdir -p .whl
@@ -68,19 +75,24 @@ if command -v nvidia-smi >/dev/null 2>&1; then
   timeout 20 nvidia-smi -L 2>&1
 fi
 
-# gpu_check.py keeps its own budget counted from START (every process it starts has a timeout
-# inside it); this outer limit only catches a hang of the script itself.
+# gpu_check.py (and codec.py) keep their own budget counted from START (every process they start
+# has a timeout inside it); this outer limit only catches a hang of the script itself.
 LIMIT="${GPU_CHECK_TIMEOUT:-}"
 if [ -z "$LIMIT" ]; then
-  case " $* " in *" --cpu "*) LIMIT=360 ;; *) LIMIT=540 ;; esac
+  case "$SCRIPT: $* " in
+    *codec.py:*" --cpu "*) LIMIT=240 ;;
+    *codec.py:*) LIMIT=300 ;;  # the codec check must leave most of a 15-minute loan to the rest
+    *" --cpu "*) LIMIT=360 ;;
+    *) LIMIT=540 ;;
+  esac
   LIMIT=$((LIMIT - ($(date +%s) - START)))
 fi
 [ "$LIMIT" -lt 30 ] && LIMIT=30
-timeout -k 15 "$LIMIT" "$PY" tools/gpu_check.py --out "$OUT" --started-at "$START" "$@"
+timeout -k 15 "$LIMIT" "$PY" "$SCRIPT" --out "$OUT" --started-at "$START" "$@"
 rc=$?
 if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
-  echo "FAIL: tools/gpu_check.py was killed at the hard limit (${LIMIT} s); see $OUT/phase_*.log" \
-    | tee -a "$OUT/summary.txt"
+  echo "FAIL: $SCRIPT was killed at the hard limit (${LIMIT} s); see $OUT/" \
+    | tee -a "$OUT/$RESULT"
   rc=124
 fi
 echo "=== gpu_check exit status $rc (elapsed $(( $(date +%s) - START )) s; logs in $OUT)"
