@@ -25,8 +25,19 @@ home is joined (home waited for it: ``wait_stream`` / ``wait_event``) or recorde
 * a kernel that writes a storage another stream has a pending (not waited for) use of, or reads
   one another stream has a pending write to, raises ``StreamHazard``: the reuse of a buffer
   while a pending kernel still reads or writes it, a race whatever the allocator does
-  (``check_races=False`` turns this off where collectives run: the double does not model that
-  a collective's ``wait()`` makes the waiting stream wait for the one that issued it).
+  (``check_races=False`` turns this off where it over-reports: storages are tracked whole, so
+  two streams using different views of one buffer, megatron's buckets of one gradient buffer,
+  look like a race).
+* ``log`` is the timeline, in issue order: ``enter:S`` / ``exit:S`` (a stream made current and
+  left), ``kernel:S:op`` and ``collective:S:op`` (a c10d op, issued while S is current),
+  ``A<-B`` (``wait_stream``), ``record:S#n`` (an event recorded), ``A<-event:S#n``
+  (``wait_event``), ``A<-collective`` (a collective's ``Work.wait()`` while A is current: with
+  NCCL, stream A then waits for the collective and the host does not; with gloo the host
+  blocks), ``record_stream:S`` (``used_on_current_stream``) and ``synchronize:...`` (a host
+  wait on a stream or an event: what a sync path must not do).
+* A ``Work.wait()`` is modelled as NCCL's: the current stream waits for the collectives issued
+  so far, up to their issue point on the stream that issued them (the double cannot tell which
+  work object belongs to which collective, so it credits them all: an over-approximation).
 
 Only the thread that entered the double is tracked (the offload store's copy threads are not).
 """
@@ -49,8 +60,12 @@ class StreamHazard(AssertionError):
 
 
 class FakeEvent:
-    def __init__(self, stream: "FakeStream", seq: int) -> None:
-        self.stream, self.seq = stream, seq
+    def __init__(self, stream: "FakeStream", seq: int, number: int) -> None:
+        self.stream, self.seq, self.number = stream, seq, number
+        self.name = f"{stream.name}#{number}"
+
+    def synchronize(self) -> None:
+        self.stream.double.log.append(f"synchronize:event:{self.name}")
 
 
 class FakeStream:
@@ -62,11 +77,17 @@ class FakeStream:
         self.double._seen_up_to(self, other, other.seq)
 
     def record_event(self, event=None) -> FakeEvent:
-        return FakeEvent(self, self.seq)
+        self.double.events += 1
+        event = FakeEvent(self, self.seq, self.double.events)
+        self.double.log.append(f"record:{event.name}")
+        return event
 
     def wait_event(self, event: FakeEvent) -> None:
-        self.double.log.append(f"{self.name}<-event:{event.stream.name}")
+        self.double.log.append(f"{self.name}<-event:{event.name}")
         self.double._seen_up_to(self, event.stream, event.seq)
+
+    def synchronize(self) -> None:
+        self.double.log.append(f"synchronize:stream:{self.name}")
 
     def __repr__(self) -> str:
         return f"FakeStream({self.name})"
@@ -96,6 +117,8 @@ class StreamDouble:
         self.check_races = check_races
         self.main, self.side = FakeStream(self, "main"), FakeStream(self, "side")
         self.log = []
+        self.events = 0  # events recorded so far (their numbers in the log)
+        self._collectives: Dict["FakeStream", int] = {}  # stream -> seq of its last collective
         self.cross_stream_frees = 0  # frees that were safe only because of record_stream
         self._current = self.main
         self._thread = None
@@ -130,6 +153,19 @@ class StreamDouble:
         for t in tensors:
             if t is not None:
                 self._recorded.setdefault(_key(t), set()).add(self._current)
+                self.log.append(f"record_stream:{self._current.name}")
+
+    def recorded_streams(self, t: torch.Tensor) -> Set[str]:
+        """Names of the streams ``record_stream`` marked ``t``'s storage as used on (until freed)."""
+        return {s.name for s in self._recorded.get(_key(t), ())}
+
+    def _work_waited(self) -> None:
+        """A collective's ``Work.wait()``: see the module docstring."""
+        if not self._tracked():
+            return
+        self.log.append(f"{self._current.name}<-collective")
+        for stream, seq in self._collectives.items():
+            self._seen_up_to(self._current, stream, seq)
 
     # ---- bookkeeping ---------------------------------------------------------------------------
     def _tracked(self) -> bool:
@@ -148,6 +184,10 @@ class StreamDouble:
             return
         stream = self._current
         stream.seq += 1
+        collective = func.namespace == "c10d"
+        self.log.append(f"{'collective' if collective else 'kernel'}:{stream.name}:{func}")
+        if collective:
+            self._collectives[stream] = stream.seq
         schema = func._schema.arguments
         inputs: Dict[int, bool] = {}
         for i, arg in enumerate(args):
@@ -220,6 +260,17 @@ class StreamDouble:
         helper = grpo_streams.used_on_current_stream
         grpo_streams.used_on_current_stream = self.record_use
         self._stack.callback(setattr, grpo_streams, "used_on_current_stream", helper)
+        work = getattr(getattr(torch, "distributed", None), "distributed_c10d", None)
+        work = getattr(work, "Work", None)
+        if work is not None:
+            wait = work.wait
+
+            def traced_wait(w, *args, **kwargs):
+                double._work_waited()
+                return wait(w, *args, **kwargs)
+
+            work.wait = traced_wait
+            self._stack.callback(setattr, work, "wait", wait)
         self._stack.enter_context(_Kernels(self))
         return self
 

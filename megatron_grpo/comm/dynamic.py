@@ -48,11 +48,16 @@ fp32 per 128 MB bucket, cached in the side stream's pool on GPU)."""
 
 class InFlightReduceScatter:
     """What every in-flight dynamic-tier reduce-scatter shares: ``wait()`` waits for the payload
-    exchange, marks the side-stream buffers as used on the current stream, lets the subclass
-    write this rank's shard (``_finish``), then puts the exactly-reduced replicated elements back.
-    Subclasses set ``work``, ``grad``, ``replicated``, ``exact``, ``exact_work`` and ``done``."""
+    exchange, lets the subclass write this rank's shard (``_finish``), then puts the
+    exactly-reduced replicated elements back. Subclasses set ``work``, ``grad``, ``shard_out``,
+    ``replicated``, ``exact``, ``exact_work``, ``order`` and ``done``.
 
-    work = exact_work = exact = replicated = None
+    With an ``order`` (``streams.CommOrder``: GPU, GRPO's side stream) all of that is issued on
+    the stream the exchange was issued on and the caller's stream waits on its "decoded"
+    event; without one (CPU, or a caller with no side stream) it runs on the caller's stream,
+    which first marks the buffers made on the issuing stream as used there."""
+
+    work = exact_work = exact = replicated = order = None
     done = False
 
     def _side_stream_buffers(self) -> tuple:
@@ -64,19 +69,29 @@ class InFlightReduceScatter:
     def wait(self) -> None:
         if self.done:
             return
+        if self.order is not None:
+            # The gradient buffer (megatron's, made on the main stream) is what the comm stream
+            # writes; the buffers _side_stream_buffers names are its own allocations.
+            self.order.finish(self._settle, self.grad, self.shard_out)
+        else:
+            _used_on_current_stream(*self._side_stream_buffers(), self.exact)
+            self._settle()
+        self.done = True
+
+    def _settle(self) -> None:
         if self.work is not None:
-            self.work.wait()
-        _used_on_current_stream(*self._side_stream_buffers(), self.exact)
+            self.work.wait()  # NCCL: the current stream waits, the host does not; gloo: the host
         self._finish()
         if self.replicated is not None:
             if self.exact_work is not None:
                 self.exact_work.wait()
             self.replicated.put(self.grad, self.exact)
-        self.done = True
 
 
 class CompressedReduceScatter(InFlightReduceScatter):
-    """One in-flight compressed reduce-scatter of one bucket; ``wait()`` finishes it.
+    """One in-flight compressed reduce-scatter of one bucket; ``wait()`` finishes it (on the
+    exchange's own stream when given an ``order``: the decode-and-sum never runs on the main
+    stream).
 
     ``stats(applied, owed)``, when given, receives this rank's delivered values D(q) and what it
     owed (c = g + r), a block of shards at a time, before anything is sent (monitoring steps
@@ -86,7 +101,9 @@ class CompressedReduceScatter(InFlightReduceScatter):
     def __init__(self, key, grad: torch.Tensor, shard_out: torch.Tensor, ef: ErrorFeedback,
                  compressor: Compressor, group, async_op: bool,
                  replicated: Optional[ReplicatedElements] = None,
-                 stats: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None) -> None:
+                 stats: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None,
+                 order: Optional[streams.CommOrder] = None) -> None:
+        self.order = order
         self.dp = dist.get_world_size(group)
         rank = dist.get_rank(group)
         self.shard_len = grad.numel() // self.dp

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from megatron_grpo.comm.compress import Compressor
 from megatron_grpo.comm.dynamic import _used_on_current_stream
 from megatron_grpo.comm.error_feedback import ErrorFeedback
+from megatron_grpo.comm.streams import CommOrder
 
 
 class InterInstanceAllReduce:
@@ -47,12 +48,19 @@ class InterInstanceAllReduce:
     inter-instance group); ``wait()`` finishes it and leaves the reduced sum in ``shard``.
 
     ``stats(applied, owed)``, when given, receives this rank's delivered values D(q) and what it
-    owed (c), both flat, before anything is sent (monitoring steps only)."""
+    owed (c), both flat, before anything is sent (monitoring steps only).
+
+    ``order`` (``streams.CommOrder``, GPU): the second phase (decode-and-sum, re-compress, the
+    all-gather and its decode) is issued on the stream the first exchange was issued on, and
+    the caller's stream only waits on its "decoded" event; without one it runs on the caller's
+    stream."""
 
     def __init__(self, key: Hashable, shard: torch.Tensor, ef: ErrorFeedback, compressor: Compressor,
                  group, async_op: bool,
                  stats: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None,
-                 exact_offsets: Optional[torch.Tensor] = None) -> None:
+                 exact_offsets: Optional[torch.Tensor] = None,
+                 order: Optional[CommOrder] = None) -> None:
+        self.order = order
         self.key, self.shard, self.ef, self.compressor, self.group = key, shard, ef, compressor, group
         self.members = dist.get_world_size(group)
         self.me = dist.get_rank(group)
@@ -86,9 +94,18 @@ class InterInstanceAllReduce:
     def wait(self) -> None:
         if self.done:
             return
+        if self.order is not None:
+            # shard (and work, when it is shard) lies in megatron's gradient buffer, made on the
+            # main stream; every other buffer here was made on the comm stream itself.
+            self.order.finish(self._second_phase, self.shard, self.work)
+        else:
+            _used_on_current_stream(self.send, self.recv, self.residual, self.work, self.exact)
+            self._second_phase()
+        self.done = True
+
+    def _second_phase(self) -> None:
         if self.handle is not None:
-            self.handle.wait()
-        _used_on_current_stream(self.send, self.recv, self.residual, self.work)
+            self.handle.wait()  # NCCL: the current stream waits, the host does not; gloo: the host
         rows = self.work.view(self.members, self.row)
         own = rows[self.me]
         self.compressor.decompress_rows_sum(self.recv, self.row, out=own)
@@ -97,13 +114,12 @@ class InterInstanceAllReduce:
         self.residual[self.me].add_(own).sub_(self.compressor.decompress_rows(payload, self.row).view(-1))
         self.ef.stage_residual(self.key, self.residual.view(-1))
         gathered = torch.empty((self.members, payload.shape[1]), dtype=torch.uint8, device=payload.device)
+        # Synchronous: with NCCL the current stream waits for it, not the host.
         dist.all_gather_into_tensor(gathered.view(-1), payload.view(-1), group=self.group)
         rows.copy_(self.compressor.decompress_rows(gathered, self.row))
         if self.exact is not None:
             if self.exact_handle is not None:
                 self.exact_handle.wait()
-            _used_on_current_stream(self.exact)
             self.work.index_copy_(0, self.exact_offsets, self.exact)
         if self.work is not self.shard:
             self.shard.copy_(self.work[:self.shard.numel()])
-        self.done = True

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from megatron_grpo.comm.dynamic import InFlightReduceScatter
 from megatron_grpo.comm.error_feedback import ErrorFeedback
 from megatron_grpo.comm.replicated import ReplicatedElements, bucket_ranges
+from megatron_grpo.comm.streams import CommOrder
 
 
 @dataclass
@@ -120,19 +121,21 @@ def _orthonormal(p: torch.Tensor) -> torch.Tensor:
 
 class PowerSGDReduceScatter(InFlightReduceScatter):
     """One in-flight PowerSGD reduce of one bucket; ``wait()`` finishes it (the Q all-reduce runs
-    there, inside ``tag()`` so its bytes are attributed to the dynamic tier)."""
+    there, inside ``tag()`` so its bytes are attributed to the dynamic tier; with an ``order``,
+    on the P all-reduce's stream, like the int4/int8 decode: InFlightReduceScatter)."""
 
     def __init__(self, key, grad: torch.Tensor, shard_out: torch.Tensor, ef: ErrorFeedback,
                  state: PowerSGDState, layout: BucketLayout, group, async_op: bool,
                  tag: Callable[[], ContextManager],
                  replicated: Optional[ReplicatedElements] = None,
-                 stats: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None) -> None:
+                 stats: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None,
+                 order: Optional[CommOrder] = None) -> None:
         if layout.numel != grad.numel():
             raise ValueError(f"PowerSGD: layout of bucket {key!r} has {layout.numel} elements, "
                              f"its gradient {grad.numel()}")
         self.key, self.grad, self.shard_out, self.ef, self.state = key, grad, shard_out, ef, state
         self.layout, self.group, self.tag = layout, group, tag
-        self.replicated, self.stats = replicated, stats
+        self.replicated, self.stats, self.order = replicated, stats, order
         self.dp = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.rs = layout.ranks(state.rank)

@@ -20,7 +20,11 @@ Where GRPO frees or reuses memory a kernel on the other stream used (the audit o
   side-stream add; the residual may have been fetched on the main stream): recorded there.
 * the buffers of the compressed collectives (comm/dynamic.py, powersgd.py, hierarchical.py:
   payloads, the exact elements, PowerSGD's factors, the inter-instance residual): allocated on
-  the side stream, read on the main stream in ``wait()``: recorded there.
+  the side stream and, with a ``CommOrder``, decoded there too (their own stream: nothing to
+  record); the gradient buffer that decode writes was made on the main stream: recorded on the
+  side stream, and the main stream waits on the decode's event before it reads or frees it.
+  Without a ``CommOrder`` ``wait()`` decodes on the caller's stream and records the buffers
+  there.
 * everything else is freed or rewritten by the main stream after it joined the side stream
   (``finish_grad_sync``, ``GRPOController.end_step``): staged ``c_own`` shards, carries,
   accumulators, replaced residuals and PowerSGD factors, the offloading store's other frees
@@ -31,6 +35,13 @@ Where GRPO frees or reuses memory a kernel on the other stream used (the audit o
 On CPU (and for CPU tensors) kernels run in issue order and this is a no-op; tests replace this
 function with a recording double (tests/stream_double.py) that fails when a storage with
 unprotected pending work on another stream is freed.
+
+Where a compressed sync finishes (``CommOrder``): the decode of what the collective delivered
+(and the hierarchical all-reduce's second phase) is issued on the stream the collective was
+issued on, GRPO's side stream, never on the stream that calls ``wait()``. That stream (the main
+one, in ``finish_grad_sync`` or the in-flight window) then only waits on a "decoded" event, on
+the device: the host is not held, and the backward kernels queued before that wait are not
+serialised behind the communication and the decode.
 """
 
 from __future__ import annotations
@@ -44,3 +55,38 @@ def used_on_current_stream(*tensors) -> None:
     for t in tensors:
         if t is not None and t.is_cuda:
             t.record_stream(torch.cuda.current_stream(t.device))
+
+
+class CommOrder:
+    """How an in-flight compressed sync finishes on a device with GRPO's side stream.
+
+    ``comm`` is the stream its collective was issued on (the side stream: its buffers were
+    allocated there, so decoding there reads them on their own stream and needs no
+    ``record_stream`` for them); ``enter(stream)`` makes a stream current (``torch.cuda.stream``)
+    and ``current()`` returns the current one. The controller supplies all three, so the test
+    double (tests/stream_double.py) can stand in for CUDA's.
+    """
+
+    def __init__(self, comm, enter, current) -> None:
+        self.comm, self.enter, self.current = comm, enter, current
+
+    def finish(self, body, *foreign) -> None:
+        """Run ``body`` with the comm stream current, then make the calling stream wait for it.
+
+        ``body`` starts with the collective's ``work.wait()``: with NCCL that makes the *current*
+        stream (here the comm stream) wait for the collective's completion event and returns at
+        once; with gloo (CPU) it blocks the host until the data is there, as before. Every
+        kernel ``body`` issues (decode, sum, the second phase's collective) is queued behind
+        that wait on the comm stream. ``foreign``: tensors ``body`` uses that another stream
+        allocated (the bucket's gradient buffer): recorded on the comm stream, so a free
+        before the calling stream's wait below cannot hand their block out under the decode.
+        The calling stream's one dependency is the "decoded" event, recorded after the last
+        kernel of ``body``; a caller that is itself the comm stream (a synchronous sync issued
+        inside the side stream's section) needs none."""
+        caller = self.current()
+        with self.enter(self.comm):
+            body()
+            used_on_current_stream(*foreign)
+            decoded = self.comm.record_event()
+        if caller != self.comm:
+            caller.wait_event(decoded)

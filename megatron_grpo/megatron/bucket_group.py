@@ -9,7 +9,7 @@ Thin overrides of ``megatron.core.distributed.param_and_grad_buffer._ParamAndGra
   megatron's own method (bit-identical to the baseline); dynamic, and core with its int8
   default, send a compressed reduce-scatter with error feedback; a stable unit between
   updates sends nothing (delayed mode accumulates the gradient locally).
-* ``finish_grad_sync``: waits on whichever handle the tier produced, timing the wait (RU).
+* ``finish_grad_sync``: waits on whichever handle the tier produced (RU; sync_handles.py).
 * ``start_param_sync``: exact core/stable-update use megatron's all-gather; compressed units
   send the owners' quantised parameter deltas; a stable unit between updates has nothing new
   to send.
@@ -41,22 +41,8 @@ from megatron_grpo.comm.replicated import bucket_ranges
 from megatron_grpo.megatron import compat
 from megatron_grpo.megatron.grad_storage import reads_after_sync
 from megatron_grpo.megatron.options import check_ddp_options, sum_scaling_factor
-
-
-class _Completed:
-    """Handle of a sync that needed no communication."""
-
-    def wait(self) -> None:
-        pass
-
-
-class _Handles:
-    def __init__(self, handles) -> None:
-        self.handles = handles
-
-    def wait(self) -> None:
-        for h in self.handles:
-            h.wait()
+from megatron_grpo.megatron.sync_handles import Completed as _Completed, Handles as _Handles
+from megatron_grpo.megatron.sync_handles import comm_order, wait_for_grad_sync
 
 
 class GRPOBucketGroup(_ParamAndGradBucketGroup):
@@ -115,10 +101,10 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
             return contextlib.nullcontext()
         # The side stream first waits for the backward kernels that produced the gradients;
         # the collectives issued under it then wait for the importance kernels, not the reverse,
-        # so backward keeps running while importance is computed. The main stream joins the
-        # side stream again in finish_grad_sync (and the controller at end of step), because a
-        # unit that issues no collective (a held stable unit) has nothing else carrying that
-        # dependency to the next step's zero_grad_buffer.
+        # so backward keeps running while importance is computed. A compressed sync also
+        # decodes here (sync_handles.py): the main stream waits on its "decoded" event; for
+        # other units it joins the side stream in finish_grad_sync (and the controller at end of
+        # step): a held stable unit has nothing else carrying that dependency to zero_grad_buffer.
         stream.wait_stream(self.grpo.current_stream())
         return self.grpo.stream_context(stream)
 
@@ -220,11 +206,11 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
                         key, b.grad_data, out, ctrl.ef, ctrl.powersgd, ctrl.powersgd_layouts[key],
                         self._group, async_op,
                         tag=lambda: ctrl.counter.tag("dynamic"), replicated=ctrl.replicated.get(key),
-                        stats=stats))
+                        stats=stats, order=comm_order(ctrl)))
                     continue
                 handles.append(CompressedReduceScatter(
                     key, b.grad_data, out, ctrl.ef, compressor, self._group, async_op,
-                    replicated=ctrl.replicated.get(key), stats=stats))
+                    replicated=ctrl.replicated.get(key), stats=stats, order=comm_order(ctrl)))
         self.grad_reduce_handle = _Handles(handles) if async_op else _Completed()
 
     def _start_inter_instance(self, tier: str, compressor, async_op: bool, stats) -> None:
@@ -239,7 +225,8 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
                 torch.distributed.reduce_scatter_tensor(own, b.grad_data, group=self._group)
                 handles.append(InterInstanceAllReduce((self.grpo_unit, i), own, ctrl.ef, compressor,
                                                       inter, async_op, stats=stats,
-                                                      exact_offsets=self._replicated_in_shard(i, b)))
+                                                      exact_offsets=self._replicated_in_shard(i, b),
+                                                      order=comm_order(ctrl)))
         self.grad_reduce_handle = _Handles(handles) if async_op else _Completed()
 
     def _start_local_reduce(self, tier: str) -> None:
@@ -408,13 +395,7 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
                 f"Communication call has not been issued for this bucket "
                 f"({len(self.per_param_grad_ready_counts)}/{len(self.params)} params have grad "
                 f"available; GRPO unit {self.grpo_unit}, tier {self.grpo.tiers[self.grpo_unit]})")
-        with self.grpo.wait_timer():
-            self.grad_reduce_handle.wait()
-            if self._hierarchical and getattr(self, "communication_stream", None) is not None:
-                # megatron's hierarchical sync ran on its communication stream (GPU; a no-op
-                # stand-in on CPU): its finish_grad_sync waits for that stream, not a handle.
-                compat.grad_sync_wait_stream().wait_stream(self.communication_stream)
-        self.grpo.join_side_stream()
+        wait_for_grad_sync(self)
         self.grad_reduce_handle = None
         self._release_grads()
 
