@@ -296,7 +296,9 @@ def validate(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
                           f"got {m.position_embedding_type!r}")
     if m.rotary_base <= 0:
         raise ConfigError(f"--rotary-base must be a positive integer, got {m.rotary_base}")
-    if p.pipeline_model_parallel_layout is None and m.num_layers % p.pipeline_model_parallel_size:
+    if p.pipeline_model_parallel_layout is not None:
+        _check_layout(p.pipeline_model_parallel_layout, p.pipeline_model_parallel_size, m.num_layers)
+    elif m.num_layers % p.pipeline_model_parallel_size:
         raise ConfigError(f"--num-layers ({m.num_layers}) must be divisible by "
                           f"--pipeline-model-parallel-size ({p.pipeline_model_parallel_size})")
     if m.max_position_embeddings is not None and m.max_position_embeddings < m.seq_length:
@@ -401,3 +403,21 @@ def _periodic_flags(grpo) -> str:
     if grpo.stable_local:
         out.append("--grpo-stable-mode local")
     return " and ".join(out)
+
+
+def _check_layout(layout: str, pp: int, num_layers: int) -> None:
+    """megatron parses --pipeline-model-parallel-layout with bare asserts deep in the model
+    build; check it here with megatron's own parser so a bad layout is refused by name."""
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    flag = f"--pipeline-model-parallel-layout {layout!r}"
+    try:
+        stages = PipelineParallelLayerLayout.parse_str_to_list(layout)
+        if len(stages) != pp:
+            raise ConfigError(f"{flag} has {len(stages)} stages; --pipeline-model-parallel-size is {pp} "
+                              f"(one stage per pipeline rank: virtual pipeline stages are not supported)")
+        PipelineParallelLayerLayout(layout, pp).validate_layer_layout(num_layers, None)
+    except AssertionError as e:
+        raise ConfigError(f"{flag}: {e}. Write the stages separated by '|' with E (embedding, first), "
+                          f"t (transformer layer; --num-layers {num_layers} of them) and L (loss, last), "
+                          f"e.g. 'E|t*{num_layers},L' for 2 stages") from None

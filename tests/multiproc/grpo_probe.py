@@ -91,6 +91,13 @@ def install_fake_streams(ctrl, log):
         def wait_stream(self, other):
             log.append(f"{self.name}<-{other.name}")
 
+        def record_event(self):  # a compressed sync's "decoded" event (comm/streams.py)
+            log.append(f"event:{self.name}")
+            return self.name
+
+        def wait_event(self, recorded_on):
+            log.append(f"{self.name}<-{recorded_on}")
+
     main, side = Stream("main"), Stream("side")
 
     @contextlib.contextmanager

@@ -43,6 +43,7 @@ RANGE = {
     "parallel.sequence_parallel": ["--sequence-parallel"],  # needs TP >= 2
     "parallel.tensor_model_parallel_size": ["--tensor-model-parallel-size", "0"],
     "parallel.pipeline_model_parallel_size": ["--pipeline-model-parallel-size", "0"],
+    "parallel.pipeline_model_parallel_layout": ["--pipeline-model-parallel-layout", "E|tx|L"],
     "parallel.ddp_bucket_size": ["--ddp-bucket-size", "0"], "parallel.overlap_grad_reduce": None,
     "parallel.use_distributed_optimizer": None,
     "parallel.distributed_timeout_minutes": ["--distributed-timeout-minutes", "0"],
@@ -98,6 +99,8 @@ RANGE = {
     "grpo.sample_variance_budget": ["--grpo-sample-variance-budget", "0"],
     "grpo.sample_min_keep": ["--grpo-sample-min-keep", "0"],
     "grpo.sample_max_keep": ["--grpo-sample-max-keep", "1.5"],
+    "grpo.compress": ["--grpo-compress", "sometimes"],
+    "grpo.compress_ab_steps": ["--grpo-compress-ab-steps", "-1"],
     "grpo.sample_interval": ["--grpo-sample-interval", "0"],
     "grpo.sample_dgrad": ["--grpo-sample-dgrad", "all"],
     "grpo.sample_policy": ["--grpo-sample-policy", "random"],

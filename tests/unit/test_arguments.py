@@ -215,3 +215,20 @@ def test_yaml_str_fields_refuse_mappings_lists_and_booleans(tmp_path):
     ok.write_text("run-name: 2024\ndata-path: [0.3, a, 0.7, b]\n")
     cfg = parse_args(["--config", str(ok)])
     assert cfg.logging.run_name == "2024" and cfg.data.data_path == ["0.3", "a", "0.7", "b"]
+
+
+def test_a_bad_pipeline_layout_is_refused_by_name():
+    # megatron checks the layout with bare asserts inside the model build; parse_args checks it
+    # with megatron's own parser first and names the flag.
+    base = ["--num-layers", "2", "--pipeline-model-parallel-size", "2", *DATA]
+    cfg = parse_args([*base, "--pipeline-model-parallel-layout", "E|t*2,L"])
+    assert cfg.parallel.pipeline_model_parallel_layout == "E|t*2,L"
+    with pytest.raises(ConfigError, match=r"'E\|t\|t\|L' has 4 stages; --pipeline-model-parallel-size is 2"):
+        parse_args([*base, "--pipeline-model-parallel-layout", "E|t|t|L"])
+    with pytest.raises(ConfigError, match=r"Number of decoder layers 3.*--num-layers 2 of them"):
+        parse_args([*base, "--pipeline-model-parallel-layout", "E|t*3,L"])
+    with pytest.raises(ConfigError, match=r"Invalid layer character: x"):
+        parse_args([*base, "--pipeline-model-parallel-layout", "E|tx,L"])
+    # Without a layout the layers must still split evenly.
+    with pytest.raises(ConfigError, match=r"--num-layers \(3\) must be divisible"):
+        parse_args(["--num-layers", "3", "--pipeline-model-parallel-size", "2", *DATA])

@@ -12,12 +12,13 @@ from megatron_grpo.grpo.controller.core import GRPOController
 from megatron_grpo.planner.plan import ClusterSpec, ModelSpec, plan
 
 
-def _ctrl(tiers, dp=2, tiered=True, core="int8", pinned=(), core_exact=False):
+def _ctrl(tiers, dp=2, tiered=True, core="int8", pinned=(), core_exact=False, pays=("int8", "int4", "int2")):
     units = [SimpleNamespace(pinned="core" if i in pinned else None) for i in range(len(tiers))]
     ctrl = SimpleNamespace(dp_size=dp, tiers=list(tiers), tiered=tiered, units=units,
                            compressor=Int4Compressor(256), core_exact=core_exact,
                            core_compressor=Int8Compressor(256) if core else None,
-                           stable_compressor=None, stable_fallback=False)
+                           stable_compressor=None, stable_fallback=False,
+                           links=SimpleNamespace(compresses=lambda fmt: fmt in pays))  # --grpo-compress
     ctrl._core_compressed = lambda: GRPOController._core_compressed(ctrl)
     ctrl.unit_periodic = lambda i: False  # one instance: no local updates
     return ctrl
@@ -40,6 +41,9 @@ def test_each_unit_gets_its_tiers_compressor():
     assert _decisions(_ctrl(tiers, dp=1)) == ["NoneType"] * 4
     # Once remediation found the compressed core bad, core syncs exactly; dynamic is unchanged.
     assert _decisions(_ctrl(tiers, core_exact=True)) == ["NoneType", "Int4Compressor", "NoneType", "NoneType"]
+    # A format that does not pay on this run's links (--grpo-compress auto's probe) syncs exactly.
+    assert _decisions(_ctrl(tiers, pays=("int4",))) == ["NoneType", "Int4Compressor", "NoneType", "NoneType"]
+    assert _decisions(_ctrl(tiers, pays=())) == ["NoneType"] * 4
 
 
 def test_the_flag_names_its_choices():

@@ -23,7 +23,8 @@ def _decisions(tiered=True, fallback=False, compressed=True, dp=2):
                            units=[SimpleNamespace(pinned=None) for _ in tiers],
                            compressor=Int4Compressor(256), core_compressor=Int8Compressor(256),
                            stable_compressor=Int2Compressor(256) if compressed else None,
-                           stable_fallback=fallback)
+                           stable_fallback=fallback,
+                           links=SimpleNamespace(compresses=lambda fmt: True))  # --grpo-compress all
     ctrl._core_compressed = lambda: GRPOController._core_compressed(ctrl)
     ctrl.unit_periodic = lambda i: False  # one instance: no local updates
     return [type(GRPOController.unit_compressor(ctrl, i)).__name__ for i in range(3)]
