@@ -28,24 +28,21 @@ def test_auto_on_localhost_syncs_exactly_and_trains_the_baselines_model(stdlib_d
     buckets = parse_args([*args, *DEFAULTS], world_size=2).grpo.bucket_elements
     base = train_and_read(tmp_path, "base", 2, [*args, "--ddp-bucket-size", str(buckets)])
     auto = train_and_read(tmp_path, "auto", 2, [*args, *DEFAULTS])
-    none = train_and_read(tmp_path, "none", 2, [*args, *DEFAULTS, "--grpo-compress", "none"])
     assert len([r for r in auto if r["grpo_tiered"]]) >= 5
     # The decision, as measured at start: the compressed path took longer than the exact one.
     assert all(r["grpo_compress_int4"] == 0.0 and r["grpo_compress_int8"] == 0.0 for r in auto)
     assert auto[-1]["grpo_probe_int4_vs_exact"] > 0.9 and auto[-1]["grpo_link_gbps"] > 0
-    assert "grpo_probe_int4_vs_exact" not in none[-1]  # none measures nothing
     # Every sync is megatron's own: the baseline's model and gradient/parameter bytes, bit for
-    # bit, tiers and importance running beside it.
-    for run in (auto, none):
-        assert losses(run) == losses(base)
-        assert _grad_bytes(run) == _grad_bytes(base)
+    # bit, tiers and importance running beside it. (none takes the same path without the
+    # probe: unit/test_link_decision.py; it ran here too until the suite needed the time.)
+    assert losses(auto) == losses(base)
+    assert _grad_bytes(auto) == _grad_bytes(base)
 
 
-def test_a_run_saved_compressed_resumes_exact_and_back(stdlib_data, tmp_path):
+def test_a_run_saved_compressed_resumes_exact(stdlib_data, tmp_path):
     """Saved at iteration 10 with --grpo-compress all (residuals owed), resumed with none: the
     first resumed step hands the residuals to its exact syncs (none left afterwards), and the
-    run finishes; then saved with none and resumed with all, which compresses from its first
-    step."""
+    run finishes."""
     args = [*COMMON, "--data-path", stdlib_data, *GRPO_SMALL]
     ck = str(tmp_path / "ck")
     run_training(2, [*args, "--grpo-compress", "all", "--save", ck, "--save-interval", "10",
@@ -59,6 +56,10 @@ def test_a_run_saved_compressed_resumes_exact_and_back(stdlib_data, tmp_path):
     assert all(r["grpo_compress_int4"] == 0.0 and r["grpo_ef_bytes"] == 0 for r in resumed)
     assert resumed[-1]["loss"] < saved[0]["loss"]
 
+
+def test_a_run_saved_exact_resumes_compressed(stdlib_data, tmp_path):
+    """Saved with none and resumed with all: it compresses from its first resumed step."""
+    args = [*COMMON, "--data-path", stdlib_data, *GRPO_SMALL]
     ck2 = str(tmp_path / "ck2")
     run_training(2, [*args, "--grpo-compress", "none", "--save", ck2, "--save-interval", "10",
                      "--exit-after-iter", "10", "--metrics-file", str(tmp_path / "c.jsonl")])
