@@ -13,7 +13,7 @@ exact warm-up (both runs, same iterations):
     gloo's algorithms included: gloo's reduce-scatter sends twice the ring volume), and the
     floor those bytes imply.
 
-With --internode (issue 12) each node runs --nproc-per-node ranks (default 2 then) and the
+With --internode each node runs --nproc-per-node ranks (default 2 then) and the
 contenders are megatron's partial distributed optimizer with one instance per node (the
 baseline), GRPO flat (one instance), GRPO per-step between nodes, and GRPO with local updates
 (core int8 deltas every 10 steps, dynamic int4 every 50);
@@ -150,6 +150,12 @@ def summarize(rate: str, pair: Dict[str, Dict], first_iter: int) -> Dict:
     return row
 
 
+def goal_for(rate: str, args) -> float:
+    """The step-time ratio GRPO must reach on ``rate``: --goal where the link is limited,
+    --goal-unlimited (GRPO must not cost time) where it is not."""
+    return args.goal_unlimited if rate == "none" else args.goal
+
+
 def print_row(row: Dict, goal: float) -> None:
     print(f"\n=== link {row['rate']} (each node's egress) ===")
     print(f"{'':14} {'iters':>8} {'step mean':>10} {'median':>8} {'counted B':>11} {'floor':>7} "
@@ -189,7 +195,7 @@ def main(argv=None) -> int:
                    "most this much slower where the link is not the bottleneck")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per job")
     p.add_argument("--out", default=os.path.join(REPO, "runs", "slow_link"))
-    p.add_argument("--internode", action="store_true", help="issue 12's contenders: megatron with one "
+    p.add_argument("--internode", action="store_true", help="the inter-node contenders: megatron with one "
                    "distributed-optimizer instance per node, GRPO per-step and periodic between nodes")
     p.add_argument("--contenders", nargs="+", default=None,
                    help="with --internode: the baseline and these only (default all)")
@@ -235,7 +241,7 @@ def main(argv=None) -> int:
                 left = cluster.down()
                 if left:
                     print(f"warning: cluster teardown left {left}", file=sys.stderr)
-        print_row(rows[-1], args.goal_unlimited if rate == "none" else args.goal)
+        print_row(rows[-1], goal_for(rate, args))
     with open(os.path.join(args.out, "summary.json"), "w") as fh:
         json.dump({"command": " ".join(sys.argv), "rows": rows}, fh, indent=1)
     print(f"\nsummary: {args.out}/summary.json")
