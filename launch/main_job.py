@@ -4,6 +4,7 @@ side (same seed, data, steps, ranks), then print a summary and the GRPO/baseline
     python launch/main_job.py                         # tiny.yaml, 2 gloo ranks, baseline + grpo
     python launch/main_job.py --runs baseline --train-iters 100
     python launch/main_job.py --nproc 2 --out runs/main -- --seq-length 256   # extra training flags
+    python launch/main_job.py --step-rounds 0                          # without the 3 timing pairs
 
 Each run is the real training entry (launch/pretrain_gpt.py) under torchrun; figures are read
 back from its metrics JSONL (one record per iteration).
@@ -35,15 +36,18 @@ def _free_port() -> int:
     return free_port()
 
 
-def launch(name: str, args: argparse.Namespace, extra: List[str]) -> str:
+def launch(name: str, args: argparse.Namespace, extra: List[str], flags: Optional[List[str]] = None,
+           train_iters: Optional[int] = None) -> str:
     metrics = os.path.join(args.out, f"{name}.jsonl")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
            os.path.join(REPO, "launch", "pretrain_gpt.py"), "--config", args.config,
            "--data-path", args.data_path, "--metrics-file", metrics, "--run-name", name,
-           "--tensorboard-dir", os.path.join(args.out, "tensorboard", name), *RUN_FLAGS[name]]
-    if args.train_iters:
-        cmd += ["--train-iters", str(args.train_iters)]
+           "--tensorboard-dir", os.path.join(args.out, "tensorboard", name),
+           *(RUN_FLAGS[name] if flags is None else flags)]
+    iters = train_iters or args.train_iters
+    if iters:
+        cmd += ["--train-iters", str(iters)]
     cmd += extra
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
@@ -125,6 +129,11 @@ def main(argv=None) -> int:
     p.add_argument("--runs", default="baseline,grpo,grpo-all",
                    help="comma-separated: baseline, grpo, grpo-all")
     p.add_argument("--train-iters", type=int, default=None)
+    p.add_argument("--step-rounds", type=int, default=3,
+                   help="after the runs, this many more baseline and grpo runs in turn, without "
+                        "evaluation, for the step-time ratio pair by pair (a shared machine's speed "
+                        "drifts between runs more than the difference being measured)")
+    p.add_argument("--step-iters", type=int, default=100, help="iterations of each timing run")
     args, extra = p.parse_known_args(argv)
     extra = [x for x in extra if x != "--"]
     names = [n.strip() for n in args.runs.split(",") if n.strip()]
@@ -149,9 +158,32 @@ def main(argv=None) -> int:
             summaries[name]["steady_wire_ratio"] = steady_wire_ratio(records["baseline"], records[name])
             summaries[name]["compression"] = compression_of(records[name])
     print_report(summaries)
+    if args.step_rounds and "baseline" in names and "grpo" in names:
+        summaries["step_rounds"] = step_rounds(args, extra)
     with open(os.path.join(args.out, "summary.json"), "w") as fh:
         json.dump(summaries, fh, indent=1)
     return 0
+
+
+def step_rounds(args: argparse.Namespace, extra: List[str]) -> Dict:
+    """--step-rounds: baseline and GRPO's defaults in turn; the median of the pairs' ratios."""
+    quiet = ["--eval-iters", "0", "--eval-interval", str(10 * args.step_iters),
+             "--log-interval", str(10 * args.step_iters)]
+    pairs = []
+    for k in range(1, args.step_rounds + 1):
+        pair = [read_metrics(launch(f"{name}-t{k}", args, [*extra, *quiet], RUN_FLAGS[name], args.step_iters))
+                for name in ("baseline", "grpo")]
+        pairs.append(pair)
+    out = figures.paired_step_ratios(pairs)
+    print(f"\n=== step time, baseline and GRPO's defaults in turn ({args.step_rounds} pairs of "
+          f"{args.step_iters} iterations, medians after GRPO's warm-up)")
+    for k, row in enumerate(out["pairs"], 1):
+        print(f"pair {k}: baseline {row['baseline_s'] * 1e3:.1f} ms, grpo {row['contender_s'] * 1e3:.1f} ms, "
+              f"ratio {row['ratio']:.3f}")
+    verdict = "met" if out["median_ratio"] <= 1.03 else "MISSED"
+    print(f"step time ratio, median of the pairs: {out['median_ratio']:.3f} (pairs {out['spread'][0]:.3f}"
+          f"-{out['spread'][1]:.3f}; goal <= 1.03: {verdict})")
+    return out
 
 
 def _grpo_available() -> bool:

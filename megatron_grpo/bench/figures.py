@@ -172,3 +172,20 @@ def compare(run: Dict, base: Dict) -> Dict:
 
 def fmt(x: Optional[float], spec: str = ".3f", suffix: str = "") -> str:
     return "-" if x is None else f"{x:{spec}}{suffix}"
+
+
+def paired_step_ratios(pairs: Sequence[tuple]) -> Dict:
+    """Step time of runs made in turn, (baseline, contender) pair by pair: each run's median step
+    over the contender's steady window (after its exact warm-up, the same iterations in both),
+    each pair's ratio, and the median of those ratios. On a shared machine whose speed drifts
+    between runs, the ratio of neighbouring runs is the figure to quote, not one pair's."""
+    rows = []
+    for base, other in pairs:
+        start = steady_start([other], 0)
+        b = _median([r["step_time_s"] for r in window(base, start) if "step_time_s" in r])
+        o = _median([r["step_time_s"] for r in window(other, start) if "step_time_s" in r])
+        if b is None or o is None:
+            raise ValueError(f"a timing pair has no steps after iteration {start}: run more iterations")
+        rows.append({"baseline_s": b, "contender_s": o, "ratio": o / b})
+    return {"pairs": rows, "median_ratio": _median([r["ratio"] for r in rows]),
+            "spread": (min(r["ratio"] for r in rows), max(r["ratio"] for r in rows)) if rows else None}

@@ -46,20 +46,25 @@ class MetricsSink:
 
 
 class TensorBoardSink(MetricsSink):
-    """Every numeric field of a record becomes a scalar at step ``iteration``."""
+    """Every numeric field of a record becomes a scalar at step ``iteration``.
+
+    One Summary event per record holds all of them: a GRPO record has ~70 fields, and
+    SummaryWriter.add_scalar builds an event per field (~80 µs each, 5 ms a step on rank 0,
+    which every rank then waits for at the next collective); one event costs ~0.5 ms.
+    TensorBoard reads the values as the same scalars."""
 
     def __init__(self, log_dir: str) -> None:
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard.writer import FileWriter
 
-        self._writer = SummaryWriter(log_dir=log_dir)
+        self._writer = FileWriter(log_dir)
 
     def write(self, record: Dict) -> None:
-        step = record.get("iteration", 0)
-        for key, value in record.items():
-            if key == "iteration" or isinstance(value, bool):
-                continue
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                self._writer.add_scalar(key, value, step)
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        values = [Summary.Value(tag=key, simple_value=float(value)) for key, value in record.items()
+                  if key != "iteration" and not isinstance(value, bool)
+                  and isinstance(value, (int, float)) and math.isfinite(value)]
+        self._writer.add_summary(Summary(value=values), record.get("iteration", 0))
         self._writer.flush()
 
     def close(self) -> None:
