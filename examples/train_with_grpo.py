@@ -42,7 +42,7 @@ def parse_args(argv=None):
                    "(GRPOConfig.warmup_iters; real runs use ~100)")
     p.add_argument("--stable-interval", type=int, default=2, help="GRPOConfig.stable_interval")
     p.add_argument("--stable-share", type=float, default=0.2, help="GRPOConfig.stable_share: 0 "
-                   "by default there (issue 9's front); on here so the example shows all three tiers")
+                   "by default there (the quality front of docs/grpo.md); on here so the example shows all three tiers")
     p.add_argument("--compress", default="all", help="GRPOConfig.compress: all here, so the "
                    "demo shows the compressed sync on localhost, where auto (the default of "
                    "real runs) measures that it does not pay and syncs exactly")

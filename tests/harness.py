@@ -90,7 +90,7 @@ def stop_and_resume(tmp_path, nproc: int, args: Sequence[str], full: List[dict],
 
 
 # GRPO at test scale, with all three tiers: the former 15/65/20 split, an exact core and the
-# frozen stable mode are pinned (the defaults since issue 9's front are core 0.15 int8, dynamic
+# frozen stable mode are pinned (the defaults since the quality front are core 0.15 int8, dynamic
 # 0.85, no stable tier). Most multi-rank tests check what frozen units do (no wgrad, no optimizer
 # work, untouched buffers) and that core is megatron's own sync; the tests of the delayed mode and
 # of the int8 core pass their flags after it (the last one wins).

@@ -25,7 +25,7 @@ from megatron_grpo.bench.runner import REPO, BenchError, RunSpec, ensure_data
 from megatron_grpo.bench.suite import command_line
 
 SUITES = ("comm", "quality", "compute", "memory", "slowlink")
-# Issue 9's studies: not part of `all` (they are sweeps of many runs); run them by name.
+# The quality front's studies: not part of `all` (they are sweeps of many runs); run them by name.
 STUDIES = ("ablation", "front", "internode", "memcap")
 
 

@@ -28,7 +28,7 @@ from megatron_grpo.bench.suite import SuiteResult
 DEFAULT_CONFIG = os.path.join(CONFIGS, "tiny.yaml")
 ALL_DYNAMIC = ["--grpo-core-share", "0", "--grpo-dynamic-share", "1", "--grpo-stable-share", "0",
                "--grpo-max-dynamic-share", "1"]
-# GRPO's settings before issue 9's front moved the defaults: three tiers 15/65/20 and an exact
+# GRPO's settings before the quality front moved the defaults: three tiers 15/65/20 and an exact
 # core. The suites whose documented figures were measured with them name them (with the stable
 # mode of the time), so their commands retrain the same runs.
 THREE_TIERS = ["--grpo-core-share", "0.15", "--grpo-dynamic-share", "0.65", "--grpo-stable-share", "0.2",

@@ -34,7 +34,7 @@ T = ["--grpo", *THREE_TIERS]
 _NO_CORE = ["--grpo-core-share", "0", "--grpo-dynamic-share", "0.8", "--grpo-max-dynamic-share", "0.8"]
 
 CONTENDERS = [Contender("baseline", [], "megatron-core, exact"),
-              Contender("default", [*T, *FROZEN], "GRPO defaults before issue 9 (15/65/20, exact "
+              Contender("default", [*T, *FROZEN], "GRPO defaults before the quality front (15/65/20, exact "
                         "core, frozen stable)")]
 CONTENDERS += [Contender(f"core-{int(100 * s)}", [*T, *_core(s), *FROZEN], f"core share {s:g}")
                for s in (0.05, 0.25)]
@@ -59,7 +59,7 @@ CONTENDERS += [Contender("delayed", [*T, "--grpo-stable-mode", "delayed"],
                Contender("core-30-int8", [*T, "--grpo-core-compressor", "int8",
                                           "--grpo-core-share", "0.3", "--grpo-dynamic-share", "0.5"],
                          "core share 0.3 int8, dynamic 0.5 int4, stable 0.2 delayed"),
-               # The defaults since issue 9 (named in full, so the command stays what it ran).
+               # The defaults since the quality front (named in full, so the command stays what it ran).
                Contender("core-int8-no-stable", ["--grpo", "--grpo-core-compressor", "int8",
                                                  "--grpo-dynamic-share", "0.85", "--grpo-stable-share", "0",
                                                  "--grpo-max-dynamic-share", "0.85"],

@@ -1,4 +1,4 @@
-"""Across nodes (issue 12): megatron's hierarchical baseline (partial distributed optimizer, one
+"""Across nodes: megatron's hierarchical baseline (partial distributed optimizer, one
 instance per node) beside megatron flat, GRPO flat and GRPO hierarchical, on 4 gloo ranks that
 emulate 2 nodes of 2 (MEGATRON_GRPO_RANKS_PER_NODE: the wire counter's link classes).
 

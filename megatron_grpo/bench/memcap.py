@@ -1,4 +1,4 @@
-"""Largest model under one fixed memory cap (issue 10): baseline, GRPO, GRPO with its memory tier.
+"""Largest model under one fixed memory cap: baseline, GRPO, GRPO with its memory tier.
 
 The whole job -- torchrun's agent and both ranks -- runs in one cgroup v1 memory group whose
 limit is the cap (``--cap-gb``, default 4 GB), as a SLURM job under ``ConstrainRAMSpace`` does.

@@ -67,14 +67,14 @@ def _contenders(out: str):
         Contender("grpo-fp32-residuals", ["--grpo", "--grpo-residual-dtype", "fp32"],
                   "GRPO defaults with fp32 error-feedback residuals (four times int8's bytes)"),
         Contender("grpo-whole-buffer", ["--grpo", "--grpo-residual-dtype", "fp32", "--no-grpo-release-grads"],
-                  "GRPO with fp32 residuals on megatron's one gradient buffer (before issue 28)"),
+                  "GRPO with fp32 residuals on megatron's one gradient buffer (the former default)"),
         Contender("grpo-ssd", ["--grpo", "--grpo-offload", "ssd", "--grpo-offload-dir", offload_dir(out)],
                   "GRPO defaults with the memory tier: dynamic state and residuals on SSD, "
                   "streamed through the optimizer step"),
         Contender("megatron-cpu-offload", ["--optimizer-cpu-offload"],
                   "megatron-core optimizer_cpu_offload (HybridDeviceOptimizer)",
                   skip=("--optimizer-cpu-offload is not wired into the training entry yet "
-                        "(issue 10 adds it beside the memory tier)") if cuda else
+                        "(planned beside the memory tier)") if cuda else
                   ("needs CUDA: megatron's HybridDeviceOptimizer moves optimizer state between "
                    "torch.cuda streams; on a CPU run that state is already in host memory, so "
                    "there is nothing to offload")),

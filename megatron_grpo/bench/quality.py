@@ -2,7 +2,7 @@
 2,000 steps by the megatron baseline and by GRPO with its defaults, same seed, data and steps,
 for each seed; validation loss on held-out documents along the run.
 
-Goal (issue 8): validation loss <= +1 % of the baseline's at <= 0.15x its wire bytes.
+Goal: validation loss <= +1 % of the baseline's at <= 0.15x its wire bytes.
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ def _lines(path: str) -> int:
 GRPO_FLAGS = ["--grpo"]
 
 
-# Issue 12: one distributed-optimizer instance per node (0: resolved from the ranks per node).
+# Inter-node contenders: one distributed-optimizer instance per node (0: resolved from the ranks per node).
 PER_NODE = ["--num-distributed-optimizer-instances", "0"]
 INTERNODE = [("baseline", PER_NODE), ("grpo-flat", ["--grpo"]), ("grpo-hier", ["--grpo", *PER_NODE]),
              ("grpo-local", ["--grpo", *PER_NODE, "--grpo-core-sync-interval", "10",

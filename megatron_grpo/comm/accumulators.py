@@ -6,7 +6,7 @@ leaves it as it was). At the unit's update step the megatron glue reads it in ba
 (``take``), syncs the mean gradient of the steps since the last update, and ``release``s it;
 once that step is applied the sum starts again from zero.
 
-Where they live (issue 28, item 2): a dict of device tensors by default. With the memory tier
+Where they live: a dict of device tensors by default. With the memory tier
 (--grpo-offload cpu|ssd) the glue hands ``use_store`` an OffloadedResiduals of the chunk store
 (offload/residuals.py: read back a few ahead in the order of the last step's reads, written out
 right after the add). An accumulator is then resident only around its two uses:

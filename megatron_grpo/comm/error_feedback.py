@@ -12,7 +12,7 @@ payloads are computed from it, and ``stage`` computes r' = c - D(q) at once, fro
 this rank's own payload, before the exchange overwrites anything; ``commit`` (after the
 optimizer step succeeded) makes the staged r' the residual, ``discard`` drops it and keeps r.
 
-Why at stage time and not at commit (issue 28): the megatron glue frees a unit's full gradient
+Why at stage time and not at commit: the megatron glue frees a unit's full gradient
 as soon as its sync has finished, so nothing may read the bucket's gradient buffer after the
 exchange. D(q) is decoded a block of shards at a time (``block_elements``), so the only
 bucket-sized tensor made is the new residual itself, in its storage dtype. The cost: from a
@@ -21,7 +21,7 @@ skipped step); an offloading store keeps the old one in its file.
 
 Storage dtypes (one per ErrorFeedback):
 
-* ``fp32``: the residual as computed; bit for bit what it was before issue 28.
+* ``fp32``: the residual as computed; bit for bit what it was before int8 residuals.
 * ``bf16``: rounded to bfloat16 (to nearest even) when staged; ``owed`` adds it into the fp32
   gradient exactly (bf16 -> fp32 is exact). 2 bytes per element.
 * ``int8``: ``QuantisedResidual``: the flat residual cut into chunks of ``chunk`` elements
@@ -328,7 +328,7 @@ class ErrorFeedback:
         rows = max(1, min(dp, block // max(shard, 1)))
         if self.dtype == "fp32":
             # Decoded straight into the new residual and subtracted in place: the same fp32
-            # elementwise c - D(q) as before issue 28, so the same bits.
+            # elementwise c - D(q) as with fp32 residuals, so the same bits.
             new = torch.empty_like(grad)
             out = new.view(dp, shard)
             for first in range(0, dp, rows):
@@ -410,8 +410,8 @@ class ErrorFeedback:
         return bool(self._staged)
 
     def references_grad(self, key: Hashable) -> bool:
-        """Does the staged step of ``key`` still read the bucket's gradient buffer? Never since
-        issue 28 (``stage`` computes the new residual at once); the megatron glue asks before it
+        """Does the staged step of ``key`` still read the bucket's gradient buffer? Never now:
+        ``stage`` computes the new residual at once; the megatron glue asks before it
         frees a unit's gradient after its sync."""
         return False
 

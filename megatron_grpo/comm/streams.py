@@ -14,7 +14,7 @@ may be freed, calls ``used_on_current_stream(tensor)`` right after issuing it (i
 stream's context). That is ``Tensor.record_stream``: the allocator then reuses the block only
 after the work queued on this stream by the time of the free has completed.
 
-Where GRPO frees or reuses memory a kernel on the other stream used (the audit of issue 27):
+Where GRPO frees or reuses memory a kernel on the other stream used (the stream audit):
 
 * ``ErrorFeedback.owed`` then an offloading store's ``release`` (``resize_(0)`` right after the
   side-stream add; the residual may have been fetched on the main stream): recorded there.

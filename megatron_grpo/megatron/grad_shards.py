@@ -1,4 +1,4 @@
-"""Gradient shards through the memory tier (issue 28, item 4; --grpo-offload-grads).
+"""Gradient shards through the memory tier (--grpo-offload-grads).
 
 With gradient release (megatron/grad_storage.py) a unit's full gradient lives from backward
 until its sync, then only this rank's shard stays, until the optimizer step has consumed it.

@@ -107,7 +107,7 @@ def build_placement(config: OffloadConfig, optimizer, ctrl, rank: int) -> Option
         ctrl.ef.use_store(placement.residuals)
     if delayed:
         # The delayed stable tier's gradient sums leave with the rest of the stable tier's
-        # state (issue 28, item 2): resident only while read, added to, or read by an update.
+        # state: resident only while read, added to, or read by an update.
         placement.accumulators = OffloadedResiduals(store, target, prefix="accum")
         ctrl.accum.use_store(placement.accumulators)
     if shards:

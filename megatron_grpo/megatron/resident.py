@@ -1,4 +1,4 @@
-"""Device-resident bytes of GRPO's state by kind and tier, every step (issue 28, item 4).
+"""Device-resident bytes of GRPO's state by kind and tier, every step.
 
 One record per step, ``mem_<kind>_<tier>`` in bytes of this rank, for the tier units' kinds:
 

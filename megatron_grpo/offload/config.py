@@ -1,4 +1,4 @@
-"""OffloadConfig: the settings of the memory tier (issue 10): what is offloaded, where, and how
+"""OffloadConfig: the settings of the memory tier: what is offloaded, where, and how
 the chunk store moves it. One section of the training config: ``--grpo-offload {none,cpu,ssd}``,
 ``--grpo-offload-dir``, ``--grpo-offload-chunk-mb`` ... (YAML keys without the dashes).
 ``validate()`` names the field, the accepted values and the value it got.

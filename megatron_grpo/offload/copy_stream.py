@@ -1,5 +1,4 @@
-"""CopyStream: the chunk store's device <-> host copies on a CUDA stream of their own (issue 27,
-item 5).
+"""CopyStream: the chunk store's device <-> host copies on a CUDA stream of their own.
 
 Why: the store's worker threads used to copy with a blocking ``copy_`` on their current stream,
 the legacy default stream, which is also training's stream: every offload copy waited for all

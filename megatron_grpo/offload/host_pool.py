@@ -1,4 +1,4 @@
-"""HostPool: the host buffers of chunks in the ``cpu`` location, reused (issue 27, item 5).
+"""HostPool: the host buffers of chunks in the ``cpu`` location, reused.
 
 A chunk evicted to host memory needs a host buffer of its size for as long as it is away; when
 it comes back to the device that buffer is free. The store used to allocate a fresh one for

@@ -1,4 +1,4 @@
-"""TierPlacement: where each tier unit's optimizer state lives, step by step (issue 10, item 2).
+"""TierPlacement: where each tier unit's optimizer state lives, step by step.
 
 The stable tier is updated once every ``--grpo-stable-interval`` steps. Between its updates the
 optimizer never reads its state (GRPO gives those shards no gradient, so Adam skips them), so

@@ -1,5 +1,5 @@
 """OffloadedResiduals: the dynamic tier's error-feedback residuals on host memory or SSD between
-their two uses in a step (issue 10, item 2).
+their two uses in a step.
 
 A residual is read once per step, when its bucket's gradients are ready in backward
 (``ErrorFeedback.owed`` adds it into the gradient buffer), and written once, after the

@@ -1,4 +1,4 @@
-"""The planner's gradient and residual memory with --grpo-release-grads (issue 28), and the
+"""The planner's gradient and residual memory with --grpo-release-grads, and the
 memory tier's placement of state (--grpo-offload).
 
 Megatron keeps one gradient buffer for the whole model, resident all the time (the baseline,

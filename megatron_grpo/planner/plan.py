@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Sequence
 from megatron_grpo.comm.analytic import baseline_step_bytes, ddp_bucket_numels, gpt_param_numels
 from megatron_grpo.comm.compress import build_compressor
 from megatron_grpo.grpo.config import TIERS, GRPOConfig, default_bucket_elements
-# The gradient, residual and placement model (issue 28) lives in its own file.
+# The gradient, residual and placement model lives in its own file.
 from megatron_grpo.planner.grads import (RESIDUAL_BYTES, RESIDUALS_RESIDENT,  # noqa: F401
                                          backward_order, late_bytes, param_units, place,
                                          release_memory, residual_bytes, stream_window_bytes)

@@ -19,7 +19,7 @@ from megatron_grpo.planner.plan import (ClusterSpec, ModelSpec, format_plan, for
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # tests/harness.py SMALL_MODEL + GRPO_SMALL, as run on 2 gloo ranks in the measured tests.
 SMALL = dict(num_layers=2, hidden=96, heads=4, vocab=258, seq_length=64, micro_batch_size=2)
-# The three tiers and exact core that GRPO_SMALL pins (the defaults before issue 9's front).
+# The three tiers and exact core that GRPO_SMALL pins (the defaults before the quality front).
 THREE_TIERS = dict(core_share=0.15, dynamic_share=0.65, stable_share=0.2, max_dynamic_share=0.7,
                    core_compressor="none")
 # fp32 residuals (the default before int8, issue 28): the hand checks below count 4 bytes each.

@@ -21,7 +21,7 @@ def _randn(n, seed):
 
 
 def _old_residual(c, payload, rank, compressor, zero_index=None):
-    """The residual exactly as ErrorFeedback.commit computed it before issue 28: the buffer as
+    """The residual exactly as ErrorFeedback.commit computed it with fp32 residuals: the buffer as
     commit saw it (own shard overwritten by the reduce-scatter), the own shard's c put back,
     every row minus the decode of the whole payload, exact elements zeroed."""
     dp = payload.shape[0]
@@ -208,7 +208,7 @@ def test_a_checkpoint_of_another_dtype_is_converted():
     fp32 = ErrorFeedback("fp32")
     _stage(fp32, 0, _randn(1024, 4), build_compressor("int4", 256), 2)
     fp32.commit()
-    old_format = {"residuals": {0: fp32.residual(0).clone()}}  # a checkpoint from before issue 28
+    old_format = {"residuals": {0: fp32.residual(0).clone()}}  # a checkpoint from before int8 residuals
     for dtype in DTYPES:
         ef = ErrorFeedback(dtype, 256)
         ef.load_state_dict(old_format)

@@ -4,7 +4,7 @@ megatron-core picks transformer-engine's FusedAdam when TE is importable, apex's
 else torch's AdamW. The memory tier's windowed optimizer step (megatron_grpo/megatron/offload.py)
 calls the inner optimizer once per streamed unit; TE and apex keep ONE step counter per param
 group and advance it on every call, so a wrong call pattern shows as a group counter above the
-number of iterations (issue 27, item 4). ``install(kind)`` makes megatron build, for this
+number of iterations. ``install(kind)`` makes megatron build, for this
 process:
 
 * ``te`` / ``apex``: the real FusedAdam (only where the package imports);

@@ -9,7 +9,7 @@ cpu: optimizer state and residuals streamed to host memory). What must hold:
 * GRPO's warm-up (every unit core: megatron's own exact sync) gives the baseline's losses bit
   for bit: GRPO's hooks, side stream and importance measurement change nothing before tiering;
 * the memory tier changes no bit: same losses every iteration, same validation loss, and state
-  did leave the device. Its hidden share (copies overlapped with compute, issue 27 item 5) is
+  did leave the device. Its hidden share (copies overlapped with compute) is
   reported.
 """
 
@@ -62,7 +62,7 @@ def check_offload(ex: Expect, plain: List[dict], offload: List[dict], label: str
             f"(up to {moved:,} B in host memory)")
     shares = [r.get("offload_hidden_share") for r in offload if "offload_hidden_share" in r]
     ex.info(f"{label}: offload copies hidden behind compute, median share {median(shares):.3f} "
-            f"(offload_hidden_share; issue 27 item 5)")
+            f"(offload_hidden_share)")
 
 
 def row(run: TrainRun) -> list:

@@ -12,7 +12,7 @@ device (step times). What must hold:
   stable-update status, since an update step syncs the stable tier too) and little memory: its
   peak exceeds the steps like it (same stable-update status) by at most two units' fp32 bytes
   plus four health chunks (megatron_grpo/grpo/health.py sums in bounded chunks; bucket-sized fp64
-  copies, the defect of issue 27 item 2, are 8x a unit);
+  copies, a former defect, are 8x a unit);
 * GRPO's peak over the baseline's is at most the planner's extra state (residuals, delayed
   accumulators: megatron_grpo.planner.plan.plan) plus 10 % of the baseline's peak (512 MiB at least).
 

@@ -42,7 +42,7 @@ class ControllerState:
         self.health.load_state_dict(state)
         self.skipped_steps = state.get("skipped_steps", 0)
         self.core_exact = state.get("core_exact", False)  # absent before the core monitor
-        self.stable_fallback = state.get("stable_fallback", False)  # absent before issue 9's int2
+        self.stable_fallback = state.get("stable_fallback", False)  # absent before the int2 stable tier
         self.warmup_origin = state.get("warmup_origin", 0)  # absent before --no-load-optim
         self.outer.load_state_dict(state.get("outer"))  # absent before the periodic tiers
 
