@@ -319,7 +319,7 @@ def restore(cfg, common: Dict, built, root: str) -> List[FlagChange]:
     # megatron-core puts max_lr/min_lr in every param group (from OptimizerConfig.lr/min_lr), and
     # get_lr reads the group's before the scheduler's: the optimizer's load brought back the
     # checkpoint's (--no-load-optim: this run's), so --override-opt_param-scheduler's lr was
-    # ignored (Megatron-LM issue 1138; Megatron-LM now rewrites them after its load). The
+    # ignored (a known Megatron-LM defect: its own training loop now rewrites them after the load). The
     # scheduler's values are the ones that won: every group gets them (this project sets no
     # per-group lr), and step(0) recomputes each group's lr from them.
     for group in groups:

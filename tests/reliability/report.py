@@ -123,7 +123,7 @@ def render(results: Dict) -> str:
     lines = [
         "# Reliability: what was tried and what happened",
         "",
-        "Generated from a run of the reliability suite (tests/reliability/, issue 8 item 4); do not",
+        "Generated from a run of the reliability suite (tests/reliability/); do not",
         f"edit by hand. Regenerate: `{FULL_RUN}`, then",
         f"`{COMMAND}` (the tests never write this file; the",
         "command refuses the results of a partial session). CPU mode: torchrun, gloo, 2 ranks, the",
