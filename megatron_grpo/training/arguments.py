@@ -74,23 +74,31 @@ def build_parser(cfg: PretrainConfig, prog: Optional[str] = None) -> argparse.Ar
     parser.add_argument("--config", default=None, help="YAML file with any of the fields below; "
                         "flags given on the command line override it.")
     for section, sub, prefix in _sections(cfg):
-        group = parser.add_argument_group(section)
-        docs = field_docs(type(sub))
-        hints = typing.get_type_hints(type(sub))
-        for f in dataclasses.fields(sub):
-            base, is_list = _base_type(hints[f.name])
-            # argparse %-formats help text; docstrings quote figures in percent.
-            kw: Dict[str, Any] = dict(dest=f"{section}.{f.name}", default=argparse.SUPPRESS,
-                                      help=docs.get(f.name, "").replace("%", "%%"))
-            if base is bool:
-                kw["action"] = argparse.BooleanOptionalAction
-            else:
-                kw["type"] = base
-                kw["metavar"] = base.__name__.upper()
-                if is_list:
-                    kw["nargs"] = "+"
-            group.add_argument(flag_name(f.name, prefix, getattr(sub, "FLAG_NAMES", None)), **kw)
+        add_section(parser, section, sub, prefix)
     return parser
+
+
+def add_section(parser: argparse.ArgumentParser, section: str, sub, prefix: str,
+                title: Optional[str] = None) -> None:
+    """One argument group of ``parser`` (headed ``title``, default the section's name) with a
+    flag per field of the dataclass ``sub``, stored as ``<section>.<field>`` (absent unless
+    given). Also used on Megatron-LM's own parser (megatron_grpo.megatron_lm.flags)."""
+    group = parser.add_argument_group(title or section)
+    docs = field_docs(type(sub))
+    hints = typing.get_type_hints(type(sub))
+    for f in dataclasses.fields(sub):
+        base, is_list = _base_type(hints[f.name])
+        # argparse %-formats help text; docstrings quote figures in percent.
+        kw: Dict[str, Any] = dict(dest=f"{section}.{f.name}", default=argparse.SUPPRESS,
+                                  help=docs.get(f.name, "").replace("%", "%%"))
+        if base is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = base
+            kw["metavar"] = base.__name__.upper()
+            if is_list:
+                kw["nargs"] = "+"
+        group.add_argument(flag_name(f.name, prefix, getattr(sub, "FLAG_NAMES", None)), **kw)
 
 
 def _coerce(value, tp, where: str):
