@@ -25,6 +25,13 @@ def install(argv: List[str]) -> List[str]:
         return original(*args, **kwargs)
 
     training.initialize_megatron = initialize_megatron
+    try:  # Megatron-LM 0.16.1 builds its legacy fused kernels with nvcc at start-up
+        from megatron.legacy import fused_kernels
+    except ImportError:
+        fused_kernels = None
+    if fused_kernels is not None and hasattr(fused_kernels, "load"):
+        # Nothing on CPU calls them: the flags below switch every fusion off.
+        fused_kernels.load = lambda *args, **kwargs: None
     return cpu_flags(argv)
 
 
