@@ -24,4 +24,14 @@ if ! "$VENV/bin/python" -c 'import megatron_grpo, megatron.core, pytest, transfo
   # pin. The tests run the fused codec kernels in its interpreter and compile them for sm_90.
   pip_q -e "$ROOT[test]" "megatron-core==0.16.1" "triton==3.7.1"
 fi
+# Megatron-LM's training package (megatron.training), for the tests of the Megatron-LM runner
+# (tests/megatron_lm): megatron-core's wheels carry it from 0.17 on, 0.16.1's does not. A test
+# install beside the venv, never on its path: megatron-core 0.19.2 declares Python >= 3.12, and
+# its cp311 wheel runs on 3.11 with one back-port the tests put first on PYTHONPATH.
+MLM_DIR="$VENV/megatron-lm-0.19.2"
+if [ ! -f "$MLM_DIR/megatron/training/training.py" ]; then
+  echo "[setup] test install of megatron-core 0.19.2 (megatron.training) into $MLM_DIR"
+  rm -rf "$MLM_DIR"
+  pip_q --no-deps --ignore-requires-python --target "$MLM_DIR" "megatron-core==0.19.2"
+fi
 echo "[setup] ready: $VENV ($("$VENV/bin/python" -c 'import torch, megatron.core as m; print("torch", torch.__version__, "megatron-core", m.__version__)'))"
