@@ -59,6 +59,11 @@ def _after_validate(args) -> None:
             SimpleNamespace(ddp_model=chunks, optimizer=opt)), _rank())
         if _rank() == 0:
             print(f"[megatron_grpo] GRPO in place at {', '.join(replaced)}", flush=True)
+    from megatron_grpo.megatron_lm import checkpoints
+    from megatron_grpo.platform import cpu_mode_active
+
+    if grpo.enabled or cpu_mode_active():
+        checkpoints.install(hooks, cpu_mode_active())
     if grpo.enabled or runner.metrics_file:
         # megatron's buffer module binds the collectives at import: import it first, then count.
         import megatron.core.distributed.param_and_grad_buffer  # noqa: F401
