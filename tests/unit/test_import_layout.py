@@ -29,6 +29,10 @@ ALLOWED = {  # part of the package -> the other parts it may import
     "training.safety": BASE,  # what keeps a run safe: below the run, it imports none of it
     "training": BASE + ("grpo", "comm", "offload", "planner", "training.safety"),
     "convert": BASE + ("grpo", "comm", "planner", "training", "training.safety"),
+    # The Megatron-LM runner is a launcher, as launch/pretrain_gpt.py is for the project's own
+    # loop: it picks the glue (GRPO's hooks, the construction points) and the training entry's
+    # flag and metrics helpers for Megatron-LM's loop.
+    "megatron_lm": BASE + ("grpo", "comm", "offload", "megatron", "training"),
     "bench": BASE + ("grpo", "comm", "offload", "compute", "planner", "training", "training.safety"),
 }
 OUTSIDE = ("tests", "harness", "launch", "tools")  # modules and paths the package never uses
