@@ -9,6 +9,7 @@ call it stands in for. Installed only in CPU mode, before the script runs.
 from __future__ import annotations
 
 import functools
+import os
 from typing import List
 
 
@@ -25,6 +26,14 @@ def install(argv: List[str]) -> List[str]:
         return original(*args, **kwargs)
 
     training.initialize_megatron = initialize_megatron
+    from megatron.training import arguments
+
+    if hasattr(arguments, "get_device_arch_version"):
+        # validate_args reads the GPU's architecture (torch.cuda.get_device_properties) for
+        # TP/CP > 1, only to require CUDA_DEVICE_MAX_CONNECTIONS=1 before Blackwell: there is no
+        # GPU, so no architecture, and the stream setting it wants is moot; it is set to pass.
+        arguments.get_device_arch_version = lambda: 0
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     try:  # Megatron-LM 0.16.1 builds its legacy fused kernels with nvcc at start-up
         from megatron.legacy import fused_kernels
     except ImportError:
