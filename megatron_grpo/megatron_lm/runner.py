@@ -23,6 +23,9 @@ USAGE = ("usage: python -m megatron_grpo.megatron_lm PATH/pretrain_gpt.py [Megat
          "[--grpo ...]")
 
 
+_RUN = {"hooks": None}  # GRPO's hooks once built, for finish() when the script ends
+
+
 def _rank() -> int:
     return int(os.environ.get("RANK", 0))
 
@@ -54,7 +57,7 @@ def _after_validate(args) -> None:
                               f"instead of --train-samples")
         from megatron_grpo.megatron import grpo_hooks, lm_points
 
-        hooks = grpo_hooks(run_config(args, grpo, offload))
+        hooks = _RUN["hooks"] = grpo_hooks(run_config(args, grpo, offload))
         replaced = lm_points.install(grpo, lambda chunks, opt: hooks.after_build(
             SimpleNamespace(ddp_model=chunks, optimizer=opt)), _rank())
         if _rank() == 0:
@@ -134,4 +137,9 @@ def main(argv: List[str]) -> int:
     except ConfigError as exc:
         print(f"error (megatron_grpo): {exc}", file=sys.stderr, flush=True)
         return 2
+    finally:
+        if _RUN["hooks"] is not None:
+            # The memory tier's background workers stop and its files go, however the script
+            # ended (Megatron-LM ends --exit-interval runs with sys.exit).
+            _RUN["hooks"].finish()
     return 0

@@ -74,6 +74,7 @@ def _record(state, extra, margs, path, run_name, iteration, out, wire, step_time
         + wire["by_op"].get("_all_gather_base", 0),
         "wire_bytes_inter_node": wire["by_link"].get("inter_node", 0),
         "wire_calls": wire["calls"],
+        "wire_bytes_by_op": dict(wire["by_op"]),  # bytes per collective (reduce_scatter_tensor, ...)
     }
     record.update(extra)  # GRPO's tiers, decisions and bytes by tier
     if not is_metrics_rank():
