@@ -69,7 +69,8 @@ def test_grpo_off_leaves_megatron_lm_bit_identical(runs):
         # reset), so the per-step values are compared from iteration 3 on.
         if r["iteration"] != 2:
             assert f"{r['loss']:E}" == plain["losses"][str(r["iteration"])]
-        assert r["wire_bytes_grad_reduce"] > 0 and "grpo_tier_map" not in r
+        assert r["wire_bytes_grad_reduce"] == r["wire_bytes_by_op"]["reduce_scatter_tensor"] > 0
+        assert sum(r["wire_bytes_by_op"].values()) == r["wire_bytes"] and "grpo_tier_map" not in r
     assert "GRPO in place" not in off["log"]
 
 
