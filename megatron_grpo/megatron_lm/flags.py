@@ -3,7 +3,8 @@
 The names are the project's (``--grpo``, ``--grpo-<field>``, ``--grpo-offload-<field>``, from the
 config dataclasses) plus ``--grpo-metrics-file``. None collides with Megatron-LM's
 reinforcement-learning flags of Group Relative Policy Optimization (``--grpo-group-size``,
-``--grpo-kl-beta``, ...): tests/unit/test_megatron_lm_flags.py holds the two lists apart.
+``--grpo-kl-beta``, ...): tests/megatron_lm/test_flags.py checks it on
+Megatron-LM's real parser.
 """
 
 from __future__ import annotations

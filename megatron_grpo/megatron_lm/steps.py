@@ -80,6 +80,6 @@ def _record(state, extra, margs, path, run_name, iteration, out, wire, step_time
     if not is_metrics_rank():
         return
     if state["log"] is None:
-        state["log"] = JsonlLog(path, iteration - 1, label=run_name,
+        state["log"] = JsonlLog(path, iteration - 1, label=run_name, flag="--grpo-metrics-file",
                                 header={"run_name": run_name, "train_iters": margs.train_iters})
     state["log"].write(record)

@@ -46,11 +46,12 @@ class MetricsFileError(ValueError):
 class JsonlLog:
     """Appends one JSON line per record to ``path`` (flushed to the OS per record, so a killed
     run keeps what it logged). ``start_iteration``: 0 writes a run_start header, N > 0 a resume
-    header naming N. ``label`` prefixes the warnings (the run name)."""
+    header naming N. ``label`` prefixes the warnings (the run name); ``flag`` is the flag its
+    messages name (the Megatron-LM runner's is --grpo-metrics-file)."""
 
     def __init__(self, path: str, start_iteration: int, label: str = "run",
-                 header: Optional[Dict] = None) -> None:
-        self.path, self.label = path, label
+                 header: Optional[Dict] = None, flag: str = "--metrics-file") -> None:
+        self.path, self.label, self.flag = path, label, flag
         self.dropped, self._dropped_iters = 0, []
         self._warned = False
         self._pending: List[Dict] = []  # headers still to write (a failed write keeps them)
@@ -59,8 +60,8 @@ class JsonlLog:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self._open()
         except OSError as exc:
-            raise MetricsFileError(f"--metrics-file {path}: cannot open it for appending ({exc}). "
-                                   f"Point --metrics-file at a file in a writable directory, or drop "
+            raise MetricsFileError(f"{flag} {path}: cannot open it for appending ({exc}). "
+                                   f"Point {flag} at a file in a writable directory, or drop "
                                    f"the flag.") from None
         # A killed writer can leave a torn last line: end it, so our first line stays whole.
         self._newline = self._size > 0 and self._last_byte() != b"\n"
@@ -71,7 +72,7 @@ class JsonlLog:
         else:
             self._pending.append(dict(base, event=RUN_START))
             if self._size > 0:
-                print(f"[{label}] --metrics-file {path} holds {self._size} bytes of earlier runs: "
+                print(f"[{label}] {flag} {path} holds {self._size} bytes of earlier runs: "
                       f"appending this run after a run_start record (readers take the last run's "
                       f"records)", flush=True)
         self._flush_pending()
@@ -134,7 +135,7 @@ class JsonlLog:
                 dropped = {"event": DROPPED, "records": self.dropped, "first_iteration": self._dropped_iters[0],
                            "last_iteration": self._dropped_iters[-1], "time": round(time.time(), 3)}
                 self._append(dropped)
-                print(f"[{self.label}] --metrics-file {self.path}: writing works again; {self.dropped} "
+                print(f"[{self.label}] {self.flag} {self.path}: writing works again; {self.dropped} "
                       f"record(s) were dropped (iterations {self._dropped_iters[0]}..{self._dropped_iters[-1]}), "
                       f"noted in the file as a 'dropped' record", file=sys.stderr, flush=True)
                 self.dropped, self._dropped_iters, self._warned = 0, [], False
@@ -146,7 +147,7 @@ class JsonlLog:
     def _failed(self, exc: OSError) -> None:
         if not self._warned:
             self._warned = True
-            print(f"[{self.label}] WARNING: --metrics-file {self.path}: writing failed ({exc}); "
+            print(f"[{self.label}] WARNING: {self.flag} {self.path}: writing failed ({exc}); "
                   f"training continues without metrics: records are dropped (and counted) until a "
                   f"write succeeds again", file=sys.stderr, flush=True)
 
@@ -165,7 +166,7 @@ class JsonlLog:
         if self.dropped or self._pending:
             self._flush_pending()
         if self.dropped:
-            print(f"[{self.label}] WARNING: --metrics-file {self.path}: {self.dropped} record(s) could "
+            print(f"[{self.label}] WARNING: {self.flag} {self.path}: {self.dropped} record(s) could "
                   f"not be written (iterations {self._dropped_iters[0]}..{self._dropped_iters[-1]}); "
                   f"the file lacks them", file=sys.stderr, flush=True)
         if self._file is not None:

@@ -131,3 +131,11 @@ def test_a_megatron_lm_without_known_points_is_refused(monkeypatch):
     monkeypatch.setitem(sys.modules, "megatron.training.models.dist_utils", None)
     with pytest.raises(ConfigError, match="none of the DDP construction points"):
         lm_points.install(GRPOConfig(enabled=True), lambda c, o: None, rank=0)
+
+
+def test_the_metrics_file_errors_name_the_runners_flag(tmp_path):
+    from megatron_grpo.training.metrics_log import JsonlLog, MetricsFileError
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(MetricsFileError, match=r"^--grpo-metrics-file .*Point --grpo-metrics-file at"):
+        JsonlLog(str(tmp_path / "file" / "m.jsonl"), 0, flag="--grpo-metrics-file")
