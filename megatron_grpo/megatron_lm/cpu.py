@@ -14,7 +14,7 @@ from typing import List
 
 
 def install(argv: List[str]) -> List[str]:
-    """Patch Megatron-LM's start-up for CPU; returns argv with gloo as the backend."""
+    """Patch Megatron-LM's start-up for CPU; returns argv with the CPU flags added (cpu_flags)."""
     from megatron.training import training
 
     original = training.initialize_megatron
