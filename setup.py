@@ -37,7 +37,8 @@ setup(
         # triton: the fused codec kernels' tests (interpreter, sm_90 compile). CUDA torch wheels
         # bring their own pinned triton, which this leaves alone; launch/setup_env.sh pins the
         # CPU set-up's to torch 2.13.0's (3.7.1). Linux x86-64 and aarch64 wheels only.
-        "test": ["pytest>=8", "transformers", "triton; platform_system == 'Linux'"],
+        # ruff: the lint .ci/run runs before the tests (ruff.toml says which checks).
+        "test": ["pytest>=8", "transformers", "triton; platform_system == 'Linux'", "ruff==0.17.6"],
         # checkpoints/grpo_ckpt.py to-hf / from-hf, HF tokenizers (tokenizers and safetensors
         # come with transformers)
         "convert": ["transformers"],

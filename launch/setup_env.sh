@@ -16,7 +16,7 @@ if ! "$VENV/bin/python" -c 'import torch, sys; sys.exit(torch.__version__.split(
   echo "[setup] installing torch==2.13.0 (CPU build)"
   pip_q torch==2.13.0
 fi
-if ! "$VENV/bin/python" -c 'import megatron_grpo, megatron.core, pytest, transformers, einops, triton' 2>/dev/null; then
+if ! "$VENV/bin/python" -c 'import megatron_grpo, megatron.core, pytest, transformers, einops, triton, ruff' 2>/dev/null; then
   echo "[setup] installing megatron-grpo with megatron-core==0.16.1, triton==3.7.1 and test extras"
   # setup.py allows megatron-core >=0.16.1,<0.20 (users keep theirs); the CPU set-up pins
   # the version the default suite and CI run on, so a fresh machine gets the same one.

@@ -383,8 +383,8 @@ class Plan:
 
 # Activations: megatron_grpo/planner/activations.py (re-exported: the planner's public names).
 from megatron_grpo.planner.activations import (backward_freed_bytes, last_backward_activation_bytes,  # noqa: E402
-                                       layer_activation_bytes, stage_activation_bytes,
-                                       stage_kept_bytes)
+                                       layer_activation_bytes as layer_activation_bytes,
+                                       stage_activation_bytes, stage_kept_bytes as stage_kept_bytes)
 
 # ---------------------------------------------------------------------------------- the plan
 def stage_param_numels(model: ModelSpec, cluster: ClusterSpec, stage: int) -> List[int]:

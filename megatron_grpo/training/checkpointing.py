@@ -25,8 +25,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import zlib
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist

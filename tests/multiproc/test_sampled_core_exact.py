@@ -20,7 +20,6 @@ def _worker(rank, port, queue):
     from megatron_grpo.platform import select_platform
 
     select_platform(force_cpu=True)
-    import torch
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=rank, world_size=1)

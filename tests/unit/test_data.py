@@ -156,7 +156,7 @@ def test_preprocess_shuffle_is_seeded(tmp_path):
     folder, _ = _corpus(tmp_path, n_docs=20)
     a = preprocess([folder], str(tmp_path / "a"), seed=1)
     b = preprocess([folder], str(tmp_path / "b"), seed=1)
-    c = preprocess([folder], str(tmp_path / "c"), seed=2)
+    preprocess([folder], str(tmp_path / "c"), seed=2)
     assert a["idx_sha256"] == b["idx_sha256"]
     assert _read_docs(str(tmp_path / "a")) == _read_docs(str(tmp_path / "b"))
     assert _read_docs(str(tmp_path / "a")) != _read_docs(str(tmp_path / "c"))

@@ -112,7 +112,6 @@ def _host_us(fn: Callable[[], None], device, repeats: int) -> float:
 
 def count_launches(fn: Callable[[], None], device) -> Dict[str, object]:
     """Kernel launches of one call of ``fn`` (see the module docstring)."""
-    import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from megatron_grpo.comm import fused_codec as fc
@@ -280,7 +279,9 @@ def measure_format(fmt: str, numel: int, dp: int, device, repeats: int, copy_ms:
             "decode_sum_of_copy": rate(dec_bytes, dec_ms) / copy_gbps,
             "host_us": host, **launches,
         }
-        del grad, shard_out, held, ef
+        # Free this path's device buffers before the next path allocates its own.
+        grad = shard_out = ef = None
+        held.clear()
     out["fused_speedup"] = out["eager"]["bucket_ms"] / out["fused"]["bucket_ms"]
     return out
 
