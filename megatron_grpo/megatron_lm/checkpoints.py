@@ -7,7 +7,8 @@ wraps ``megatron.training.training.save_checkpoint``/``load_checkpoint`` (the na
 common state goes to ``iter_000000N/grpo_state/common.pt`` (rank 0) and each rank's to
 ``rank_NNNNN.pt`` beside it, written to a temporary name and renamed, so a file is whole or
 absent; after megatron loaded, they are read back. A checkpoint without them (saved without
---grpo) starts GRPO's state fresh, and the runner says so.
+--grpo, or a job stopped between megatron's save and GRPO's files) starts GRPO's state fresh, and
+the runner says so.
 
 CPU only: without apex or transformer-engine, megatron's DistributedOptimizer.state_dict asserts
 that every parameter has one Adam ``step``, and a freshly built torch Adam has no state at all,
@@ -104,8 +105,10 @@ def install(hooks, cpu_mode: bool) -> None:
                 hooks.load_state(torch.load(common, weights_only=False))
                 hooks.load_rank_state(torch.load(mine, weights_only=False))
             elif rank() == 0:
-                print(f"[megatron_grpo] {d}: no GRPO state (saved without --grpo): GRPO starts "
-                      f"its tiers, importance and residuals afresh at iteration {iteration}", flush=True)
+                # Either cause leaves the same files; both are named rather than guessed.
+                print(f"[megatron_grpo] {d}: no GRPO state (the checkpoint was saved without --grpo, "
+                      f"or the job stopped between megatron's save and GRPO's): GRPO starts its "
+                      f"tiers, importance and residuals afresh at iteration {iteration}", flush=True)
         return out
 
     training.save_checkpoint, training.load_checkpoint = save_checkpoint, load_checkpoint
