@@ -13,8 +13,8 @@ the runner says so.
 CPU only: without apex or transformer-engine, megatron's DistributedOptimizer.state_dict asserts
 that every parameter has one Adam ``step``, and a freshly built torch Adam has no state at all,
 so Megatron-LM cannot build its load template (megatron's own run fails the same way). Zero
-state is filled in first and the per-parameter steps rebuilt after, as the project's own loop
-does (megatron_grpo.training.checkpointing); the load runs without autograd (below).
+state is filled in first and the per-parameter steps rebuilt after, by the project's own loop's
+functions (megatron_grpo.training.checkpointing); the load runs without autograd (below).
 """
 
 from __future__ import annotations
@@ -25,30 +25,9 @@ import os
 
 import torch
 
+from megatron_grpo.training.checkpointing import prefill_optimizer_state, restore_per_param_steps
+
 STATE_DIR = "grpo_state"
-
-
-def _inner_optimizers(optimizer):
-    return [o for o in getattr(optimizer, "chained_optimizers", [optimizer])
-            if hasattr(o, "optimizer")]
-
-
-def prefill_optimizer_state(optimizer) -> None:
-    for opt in _inner_optimizers(optimizer):
-        inner = opt.optimizer
-        for group in inner.param_groups:
-            for p in group["params"]:
-                if len(inner.state[p]) == 0:
-                    inner.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
-                                          exp_avg_sq=torch.zeros_like(p))
-
-
-def restore_per_param_steps(optimizer) -> None:
-    for opt in _inner_optimizers(optimizer):
-        for group in opt.optimizer.param_groups:
-            if "step" in group:
-                for p in group["params"]:
-                    opt.optimizer.state[p]["step"] = torch.tensor(float(group["step"]))
 
 
 def state_dir(root: str, iteration: int) -> str:

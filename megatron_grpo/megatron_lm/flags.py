@@ -13,9 +13,9 @@ import argparse
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_grpo.grpo.config import ConfigError, GRPOConfig, GRPOConfigError
-from megatron_grpo.offload.config import OffloadConfig, OffloadConfigError
-from megatron_grpo.training.arguments import add_section
+from megatron_grpo.grpo.config import GRPOConfig
+from megatron_grpo.offload.config import OffloadConfig
+from megatron_grpo.training.arguments import add_section, validate_grpo
 
 
 @dataclass
@@ -53,10 +53,5 @@ def settings(args, world_size: Optional[int] = None) -> tuple:
                 setattr(sub, key.split(".", 1)[1], value)
         out.append(sub)
     grpo, offload, runner = out
-    try:
-        grpo.apply_preset()
-        grpo.validate(world_size)
-        offload.validate(planned=True)
-    except (GRPOConfigError, OffloadConfigError) as exc:
-        raise ConfigError(str(exc)) from None
+    validate_grpo(grpo, offload, world_size)
     return grpo, offload, runner

@@ -16,6 +16,10 @@ from typing import Optional
 
 import torch
 
+from megatron_grpo.training.metrics import wire_fields
+from megatron_grpo.training.metrics_log import JsonlLog
+from megatron_grpo.training.model import is_metrics_rank
+
 
 def _loss(loss_dict) -> Optional[float]:
     """Megatron-LM's reduced language-model loss (last pipeline stage), or None elsewhere."""
@@ -59,21 +63,12 @@ def install(hooks, metrics_file: Optional[str], run_name: str, counter) -> None:
 
 
 def _record(state, extra, margs, path, run_name, iteration, out, wire, step_time) -> None:
-    from megatron_grpo.training.metrics_log import JsonlLog
-    from megatron_grpo.training.model import is_metrics_rank
-
     record = {
         "iteration": iteration, "run": run_name, "loss": _loss(out[0]),
         "skipped": bool(out[1]), "grad_norm": None if out[5] is None else float(out[5]),
         "step_time_s": step_time,
         "tokens_per_s": margs.global_batch_size * margs.seq_length / step_time,
-        "wire_bytes": wire["total"],
-        "wire_bytes_grad_reduce": wire["by_op"].get("reduce_scatter_tensor", 0)
-        + wire["by_op"].get("_reduce_scatter_base", 0),
-        "wire_bytes_param_gather": wire["by_op"].get("all_gather_into_tensor", 0)
-        + wire["by_op"].get("_all_gather_base", 0),
-        "wire_bytes_inter_node": wire["by_link"].get("inter_node", 0),
-        "wire_calls": wire["calls"],
+        **wire_fields(wire),
         "wire_bytes_by_op": dict(wire["by_op"]),  # bytes per collective (reduce_scatter_tensor, ...)
     }
     record.update(extra)  # GRPO's tiers, decisions and bytes by tier

@@ -370,15 +370,7 @@ def validate(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
         if t.global_batch_size % (t.micro_batch_size * dp):
             raise ConfigError(f"--global-batch-size ({t.global_batch_size}) must be a multiple of "
                               f"--micro-batch-size x data-parallel size ({t.micro_batch_size} x {dp})")
-    from megatron_grpo.grpo.config import GRPOConfigError
-    from megatron_grpo.offload.config import OffloadConfigError
-
-    try:
-        cfg.grpo.apply_preset()
-        cfg.grpo.validate(world_size)
-        cfg.offload.validate(planned=True)
-    except (GRPOConfigError, OffloadConfigError) as exc:
-        raise ConfigError(str(exc)) from None
+    validate_grpo(cfg.grpo, cfg.offload, world_size)
     if (cfg.grpo.enabled and not cfg.model.untie_embeddings_and_output_weights
             and cfg.parallel.pipeline_model_parallel_size > 1):
         # The tied copies on the first and last stage are two GRPO units that may land in
@@ -400,6 +392,20 @@ def validate(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
     if cfg.offload.target != "none" and not cfg.grpo.enabled:
         raise ConfigError(f"--grpo-offload {cfg.offload.target} places GRPO's stable tier: it "
                           f"needs --grpo (the megatron baseline has no tiers)")
+
+
+def validate_grpo(grpo, offload, world_size: Optional[int] = None) -> None:
+    """GRPO's and the memory tier's own checks (the preset applied first), as a ConfigError
+    naming the flag; the project's entry and the Megatron-LM runner both call it."""
+    from megatron_grpo.grpo.config import GRPOConfigError
+    from megatron_grpo.offload.config import OffloadConfigError
+
+    try:
+        grpo.apply_preset()
+        grpo.validate(world_size)
+        offload.validate(planned=True)
+    except (GRPOConfigError, OffloadConfigError) as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _periodic_flags(grpo) -> str:

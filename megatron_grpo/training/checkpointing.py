@@ -262,7 +262,7 @@ def _save_checkpoint(root: str, iteration: int, built, common: Dict,
     dist.barrier()
     # Params never stepped (a seed checkpoint at iteration 0) have no Adam state yet; zero
     # state with step 0 is exactly what torch Adam would create on its first step.
-    _prefill_optimizer_state(built)
+    prefill_optimizer_state(built.optimizer)
     state = _sharded_state(built, is_loading=False)
     state["common"] = dict(common, iteration=iteration, world_size=dist.get_world_size(),
                            format_version=FORMAT_VERSION)
@@ -312,10 +312,11 @@ def latest_iteration(root: str) -> int:
     return int(text)
 
 
-def _prefill_optimizer_state(built) -> None:
+def prefill_optimizer_state(optimizer) -> None:
     """A fresh torch Adam has no per-param state, and DistributedOptimizer.state_dict() asserts
-    one common ``step``; give every param zero state so the load template can be built."""
-    for opt in optimizer_list(built.optimizer):
+    one common ``step``; give every param zero state so the load template can be built. Also
+    the Megatron-LM runner's CPU load (megatron_grpo.megatron_lm.checkpoints)."""
+    for opt in optimizer_list(optimizer):
         inner = opt.optimizer
         for group in inner.param_groups:
             for p in group["params"]:
@@ -324,10 +325,10 @@ def _prefill_optimizer_state(built) -> None:
                                           exp_avg_sq=torch.zeros_like(p))
 
 
-def _restore_per_param_steps(built) -> None:
+def restore_per_param_steps(optimizer) -> None:
     """After load all params share one ``step`` tensor reset to the template value; rebuild a
     per-param step from the loaded param-group step (torch Adam's bias correction uses it)."""
-    for opt in optimizer_list(built.optimizer):
+    for opt in optimizer_list(optimizer):
         for group in opt.optimizer.param_groups:
             if "step" not in group:
                 continue
@@ -428,7 +429,7 @@ def load_checkpoint(root: str, built, iteration: Optional[int] = None, record: O
         return _load_without_optimizer(root, ckpt_dir, manifest, built, record)
     _check_layout(root, ckpt_dir)
     check_record("--load", root, manifest, record)
-    _prefill_optimizer_state(built)
+    prefill_optimizer_state(built.optimizer)
     template = _sharded_state(built, is_loading=True)
     template["common"] = {}
     loaded = dist_checkpointing.load(template, ckpt_dir)
@@ -436,7 +437,7 @@ def load_checkpoint(root: str, built, iteration: Optional[int] = None, record: O
     # fp32 main params are views of leaf model params: in-place copies need no_grad.
     with torch.no_grad():
         built.optimizer.load_state_dict(loaded["optimizer"])
-    _restore_per_param_steps(built)
+    restore_per_param_steps(built.optimizer)
     common = loaded.get("common", {})
     rng_path = os.path.join(ckpt_dir, "rng", f"rank_{dist.get_rank():05d}.pt")
     rank_extra: Dict = {}

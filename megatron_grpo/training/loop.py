@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megatron_grpo.comm.wire import wire_counter
 from megatron_grpo.hooks import RunHooks
-from megatron_grpo.training.metrics import MetricsLogger, peak_rss_bytes, step_peak_rss_bytes
+from megatron_grpo.training.metrics import MetricsLogger, peak_rss_bytes, step_peak_rss_bytes, wire_fields
 from megatron_grpo.platform import select_platform
 from megatron_grpo.training import checkpointing, resume_flags
 from megatron_grpo.training.safety import checkpoint_dirs, launcher_watch, save_lock
@@ -304,14 +304,7 @@ def _run(cfg: PretrainConfig, hooks: RunHooks, preemption: _Preemption, lock=Non
             "lr": built.optimizer.param_groups[0]["lr"], "grad_norm": result.grad_norm,
             "step_time_s": step_time, "tokens_per_s": gbs * seq / step_time,
             "optimizer_time_s": result.optimizer_time_s,
-            "wire_bytes": wire["total"],
-            "wire_bytes_grad_reduce": wire["by_op"].get("reduce_scatter_tensor", 0)
-            + wire["by_op"].get("_reduce_scatter_base", 0),
-            "wire_bytes_param_gather": wire["by_op"].get("all_gather_into_tensor", 0)
-            + wire["by_op"].get("_all_gather_base", 0),
-            "wire_bytes_logging": wire["by_tag"].get("logging", 0),
-            "wire_bytes_inter_node": wire["by_link"].get("inter_node", 0),
-            "wire_calls": wire["calls"],
+            **wire_fields(wire),
             "consumed_samples": train_iter.consumed_samples,
             "skipped": not result.update_successful,
             "memory_before_model_bytes": before_model,

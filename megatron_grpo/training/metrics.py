@@ -16,6 +16,20 @@ from typing import Dict, List, Optional
 from megatron_grpo.training.metrics_log import JsonlLog
 
 
+def wire_fields(wire: Dict) -> Dict:
+    """A step's traffic as the metrics record holds it, from WireCounter.reset()'s snapshot:
+    the project's loop and the Megatron-LM runner write the same fields."""
+    by_op = wire["by_op"]
+    return {
+        "wire_bytes": wire["total"],
+        "wire_bytes_grad_reduce": by_op.get("reduce_scatter_tensor", 0) + by_op.get("_reduce_scatter_base", 0),
+        "wire_bytes_param_gather": by_op.get("all_gather_into_tensor", 0) + by_op.get("_all_gather_base", 0),
+        "wire_bytes_logging": wire["by_tag"].get("logging", 0),
+        "wire_bytes_inter_node": wire["by_link"].get("inter_node", 0),
+        "wire_calls": wire["calls"],
+    }
+
+
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process (Linux reports ru_maxrss in KiB)."""
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
