@@ -6,6 +6,8 @@
     python launch/plan.py --config launch/configs/gpt_70b.yaml --nodes 16 \
         --num-distributed-optimizer-instances 16  # + inter-node bytes, flat vs hierarchical
     python launch/plan.py --step-time             # modelled step time, megatron vs GRPO
+    python launch/plan.py --config launch/configs/gpt_8b.yaml --largest-model --search \
+        --host-memory-gb 2000 --nvme-gb 30000 [--json]   # megatron's and GRPO's best on one node
 
 Model and GRPO settings are read exactly as launch/pretrain_gpt.py reads them (same YAML, same
 flags, same validation against the world size). Nothing is built and no GPU is needed.
@@ -66,6 +68,30 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --largest-model: memory per GPU held outside model state and "
                         "activations (CUDA context, NCCL buffers, fragmentation; on CPU the "
                         "process's runtime), GB")
+    p.add_argument("--search", action="store_true",
+                   help="with --largest-model on one node: search TP, PP, sequence parallelism, "
+                        "recompute, megatron's memory options (DistributedOptimizer, Megatron-FSDP, "
+                        "optimizer_cpu_offload with its fraction; fp32 or bf16 gradients) and GRPO's "
+                        "(memory tier off, on host RAM, on NVMe) for the largest model of the "
+                        "config's shape, each with a predicted step time; docs/planner.md")
+    p.add_argument("--host-memory-gb", type=float, default=2000.0,
+                   help="with --search: host RAM of the node, GB")
+    p.add_argument("--host-reserve-gb", type=float, default=100.0,
+                   help="with --search: host RAM kept for the OS, data loaders and the ranks' "
+                        "processes, GB per node")
+    p.add_argument("--nvme-gb", type=float, default=30000.0,
+                   help="with --search: NVMe of the node for offloaded state, GB")
+    p.add_argument("--pcie-gbs", type=float, default=25.0,
+                   help="with --search: host <-> GPU copy rate per GPU and direction, GB/s")
+    p.add_argument("--nvme-gbs", type=float, default=12.0,
+                   help="with --search: NVMe read or write rate of the node, GB/s")
+    p.add_argument("--host-adam-rate", type=float, default=2.0e9,
+                   help="with --search: parameters the node's CPUs update with Adam per second")
+    p.add_argument("--mfu", type=float, default=0.40,
+                   help="with --search: model FLOPs utilisation of the compute")
+    p.add_argument("--json", action="store_true",
+                   help="with --search: print the result as JSON ({\"megatron\": {\"params\", "
+                        "\"config\", \"step_s\"}, \"grpo\": {...}, ...})")
     p.add_argument("--step-time", action="store_true",
                    help="print the modelled step time of megatron and GRPO (eager and fused codec, "
                         "with the link-aware decision) on one NVLink node, 16 nodes of 400 Gb/s IB "
@@ -144,6 +170,23 @@ def largest_models(model, cluster, grpo, bucket, offload, memory_gb: float, rese
     return format_capacity(caps, memory_gb, reserve_gb)
 
 
+def searched(args, model, grpo, bucket, offload) -> str:
+    """--largest-model --search: megatron's and GRPO's best on one node (planner/search.py)."""
+    import json
+
+    from megatron_grpo.planner.search import Node, search
+    from megatron_grpo.planner.search_format import format_search
+
+    if args.nodes != 1:
+        raise ValueError(f"--search sizes one node; got --nodes {args.nodes}")
+    node = Node(gpus=args.gpus_per_node, gpu_memory_gb=args.gpu_memory_gb,
+                host_memory_gb=args.host_memory_gb, nvme_gb=args.nvme_gb, reserve_gb=args.reserve_gb,
+                host_reserve_gb=args.host_reserve_gb, mfu=args.mfu, pcie_gbs=args.pcie_gbs,
+                nvme_gbs=args.nvme_gbs, host_adam_per_s=args.host_adam_rate)
+    result = search(model, node, grpo, offload, bucket)
+    return json.dumps(result.as_json(), indent=1) if args.json else format_search(result)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     from megatron_grpo.planner.plan import format_plan, plan
     from megatron_grpo.training.arguments import ConfigError
@@ -156,9 +199,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.step_time:
             print(step_time_table(train_argv, args.step_time_grad_dtype, args.vocab_size, args.attention))
             return 0
+        if args.search and not args.largest_model:
+            raise ValueError("--search goes with --largest-model")
         model, cluster, grpo, bucket, offload = spec_from_flags(
             train_argv, args.nodes, args.gpus_per_node, args.gpu_memory_gb, args.link_gbps,
             args.vocab_size, args.attention, args.nvlink_gbps)
+        if args.search:
+            print(searched(args, model, grpo, bucket, offload))
+            return 0
         name = next((a for a in train_argv if a.endswith((".yaml", ".yml"))), "model")
         p = plan(model, cluster, grpo, bucket_size=bucket, offload=offload)
         print(format_plan(p, os.path.basename(name)))

@@ -59,8 +59,7 @@ def _scores_bytes(model, tp: int) -> int:
 
 
 def layer_activation_bytes(model, tp: int) -> int:
-    """Bytes one transformer layer keeps for backward, per micro-batch (no recompute, no
-    sequence parallelism)."""
+    """Bytes one transformer layer keeps for backward, per micro-batch (no recompute)."""
     return sum(layer_activation_parts(model, tp).values())
 
 
@@ -74,9 +73,11 @@ def layer_activation_parts(model, tp: int) -> dict:
     e = model.param_bytes
     d, g = h // a, model.groups
     sbh, sbf, sb = s * b * h, s * b * f, s * b
-    # Replicated over TP: both norms (input and stats) and their outputs (QKV's and fc1's input).
-    norm = _norm_bytes(model, sbh, sb)
-    attention = sbh * e
+    sp = _sp(model, tp)
+    # Replicated over TP unless sequence-parallel: both norms (input and stats) and their
+    # outputs (QKV's and fc1's input; megatron keeps the sequence shard and gathers it again).
+    norm = _norm_bytes(model, sbh, sb) // sp
+    attention = sbh * e // sp
     # Split over TP: Q, K, V and the attention context (linear_proj's input).
     qkv = sb * (h + 2 * g * d) if model.flash_attention else 3 * sbh
     if model.rope:
@@ -92,9 +93,14 @@ def layer_activation_parts(model, tp: int) -> dict:
     context = sbh * e // tp
     attention -= context
     if model.dropout:  # one-byte masks of the two hidden dropouts, freed by bias-dropout-add
-        fc2, context = fc2 + sbh, context + sbh
-    return {"fc2": fc2, "act": act, "fc1": sbh * e, "ln2": norm, "proj": context,
+        fc2, context = fc2 + sbh // sp, context + sbh // sp
+    return {"fc2": fc2, "act": act, "fc1": sbh * e // sp, "ln2": norm, "proj": context,
             "attention": attention, "ln1": norm}
+
+
+def _sp(model, tp: int) -> int:
+    """What sequence parallelism divides the TP-replicated activations by (1 without it)."""
+    return tp if model.sequence_parallel and tp > 1 else 1
 
 
 def _stage_parts(model, cluster, stage: int):
@@ -102,15 +108,16 @@ def _stage_parts(model, cluster, stage: int):
     s, b, h = model.seq_length, model.micro_batch_size, model.hidden
     tp, pp = cluster.tp, cluster.pp
     per_mb, working = _layers_kept(model, model.num_layers // pp, tp)
+    sp = _sp(model, tp)
     if stage == 0:
         per_mb += (1 if model.rope else 2) * 8 * s * b  # token (and position) ids, int64
         if model.dropout:
-            per_mb += s * b * h  # embedding dropout mask
+            per_mb += s * b * h // sp  # embedding dropout mask
     if stage == pp - 1:
         e = model.param_bytes
         # Final norm (input, stats) and its output (the output layer's input), and the
         # cross-entropy's fp32 softmax of the logits over this TP rank's vocabulary slice.
-        per_mb += _norm_bytes(model, s * b * h, s * b) + s * b * h * e
+        per_mb += (_norm_bytes(model, s * b * h, s * b) + s * b * h * e) // sp
         per_mb += 4 * s * b * model.padded_vocab(tp) // tp
         per_mb += 9 * s * b  # labels-side target mask (bool) and int64 target ids
     constant = 0 if model.flash_attention else s * s  # the bool causal mask, one per step
@@ -140,8 +147,11 @@ def backward_freed_bytes(model, cluster, stage: int) -> dict:
     head = embedding = 0
     if stage == 0:
         embedding = (1 if model.rope else 2) * 8 * s * b + (s * b * h if model.dropout else 0)
+    sp = _sp(model, cluster.tp)
+    if stage == 0 and model.dropout:
+        embedding -= s * b * h - s * b * h // sp
     if stage == cluster.pp - 1:
-        head = (_norm_bytes(model, s * b * h, s * b) + s * b * h * e
+        head = ((_norm_bytes(model, s * b * h, s * b) + s * b * h * e) // sp
                 + 4 * s * b * model.padded_vocab(cluster.tp) // cluster.tp + 9 * s * b)
     return {"head": head, "embedding": embedding, **parts}
 
@@ -172,9 +182,10 @@ def _layers_kept(model, layers: int, tp: int):
         return layers * (full - scores + 4), scores
     s, b, h, e = model.seq_length, model.micro_batch_size, model.hidden, model.param_bytes
     rope_table = 4 * s * (h // model.heads) if model.rope else 0
+    chunk_input = s * b * h * e // _sp(model, tp)  # what a recomputed chunk keeps
     if model.recompute_method == "uniform":
         chunks = -(-layers // n)
-        return chunks * s * b * h * e + rope_table, min(n, layers) * full
+        return chunks * chunk_input + rope_table, min(n, layers) * full
     recomputed = min(n, layers)  # block
-    kept = recomputed * s * b * h * e + (layers - recomputed) * full + (rope_table if recomputed else 0)
+    kept = recomputed * chunk_input + (layers - recomputed) * full + (rope_table if recomputed else 0)
     return kept, full if recomputed else 0

@@ -103,14 +103,15 @@ def cpu_offload_memory(model, cluster, grpo, stage: int,
                       host=base.master_params + base.optimizer_moments)
 
 
-def fsdp_memory(model, cluster, stage: int) -> PeerMemory:
-    """``megatron-fsdp`` on ``stage`` (optim_grads_params, one unit per layer)."""
+def fsdp_memory(model, cluster, stage: int, grad_bytes: int = 4) -> PeerMemory:
+    """``megatron-fsdp`` on ``stage`` (optim_grads_params, one unit per layer); ``grad_bytes``
+    2 for bf16 gradient buffers (its shards and the gradients gathered whole)."""
     e = model.param_bytes
     whole, outside, layer = _stage_elements(model, cluster, stage)
     shard = math.ceil(whole / cluster.dp)
-    return PeerMemory("megatron-fsdp", stage, params=shard * e, grads=shard * 4,
+    return PeerMemory("megatron-fsdp", stage, params=shard * e, grads=shard * grad_bytes,
                       master_params=shard * 4 if model.bf16 else 0, optimizer_moments=shard * 8,
-                      gathered=e * (outside + 2 * layer) + 4 * (outside + layer),
+                      gathered=e * (outside + 2 * layer) + grad_bytes * (outside + layer),
                       activations=stage_activation_bytes(model, cluster, stage))
 
 

@@ -28,7 +28,7 @@ from megatron_grpo.planner.format import GB, format_plan, format_table  # noqa: 
 @dataclass
 class ModelSpec:
     """A megatron-core GPTModel as launch/pretrain_gpt.py builds it (untied output layer; GPT-2
-    style by default, Llama-style with the fields below; no sequence parallelism, no recompute)."""
+    style by default, Llama-style with the fields below)."""
 
     num_layers: int
     """Transformer layers."""
@@ -79,6 +79,10 @@ class ModelSpec:
     than one accumulate gradients: every unit's storage stays full until the last one's sync."""
     overlap_grad_reduce: bool = True
     """megatron DDP's --overlap-grad-reduce: units sync during backward (False: after it)."""
+    sequence_parallel: bool = False
+    """megatron's --sequence-parallel (TP > 1): the activations TP would replicate (norms,
+    dropout masks, the linear layers' inputs, a recomputed chunk's input) are split over TP
+    along the sequence (Korthikanti et al. 2022, eq. 4; from the formula, not measured)."""
 
     def micro_batches(self, dp: int, pp: int = 1) -> int:
         """Micro-batches per rank and step."""

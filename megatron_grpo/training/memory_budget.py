@@ -61,7 +61,8 @@ def model_spec(cfg, vocab: int, attention: str):
                      recompute_granularity=m.recompute_granularity,
                      recompute_method=m.recompute_method, recompute_num_layers=m.recompute_num_layers,
                      global_batch_size=t.global_batch_size,
-                     overlap_grad_reduce=cfg.parallel.overlap_grad_reduce)
+                     overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+                     sequence_parallel=cfg.parallel.sequence_parallel)
 
 
 def spec_from_flags(train_argv: Sequence[str], nodes: int, gpus_per_node: int, gpu_memory_gb: float,

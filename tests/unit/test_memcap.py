@@ -139,7 +139,8 @@ def test_memcap_suite_tabulates_the_boundaries_and_holds_the_planner_to_them(tmp
     from megatron_grpo.bench import memcap
     from megatron_grpo.bench.memcap import Probe
 
-    limits = {"baseline": 13, "grpo": 13, "grpo-fp32-residuals": 9, "grpo-ssd": 25}
+    limits = {"baseline": 13, "megatron-recompute": 15, "grpo": 13, "grpo-fp32-residuals": 9,
+              "grpo-ssd": 25, "grpo-ssd-recompute": 27}
     calls = []
 
     def fake_probe(self, contender, layers):
@@ -156,7 +157,7 @@ def test_memcap_suite_tabulates_the_boundaries_and_holds_the_planner_to_them(tmp
     args.extra = []
     res = memcap.run(args, "python -m megatron_grpo.bench memcap")
     rows = {r[0]: r for r in res.rows}
-    assert [rows[n][1] for n in limits] == ["13", "13", "9", "25"]
+    assert [rows[n][1] for n in limits] == ["13", "15", "13", "9", "25", "27"]
     for name, layers in limits.items():  # each size tried once; the boundary and one above it
         tried = [n for c, n in calls if c == name]
         assert len(tried) == len(set(tried)) and layers in tried and layers + 1 in tried
@@ -168,10 +169,16 @@ def test_memcap_suite_tabulates_the_boundaries_and_holds_the_planner_to_them(tmp
     baseline = memcap.contenders(str(tmp_path))[0]
     assert res.data["budget_bytes"] == int(1.8e9)
     assert res.data["reserve_bytes"] == int(1.8e9) - memcap._model_peak(spec, baseline, 13, 0)
-    assert rows["baseline"][4] == "13 (calibration)"
+    assert rows["baseline"][5] == "13 (calibration)"
+    # Each row is also held to megatron's best (here full recompute's 15 layers).
+    best = memcap._params(spec, memcap.contenders(str(tmp_path))[1], 15)
+    assert rows["megatron-recompute"][4] == "1.00x"
+    assert rows["grpo-ssd-recompute"][4] == (
+        f"{memcap._params(spec, memcap.contenders(str(tmp_path))[-1], 27) / best:.2f}x")
+    assert rows["baseline"][4] == f"{base / best:.2f}x" != "1.00x"
     planned = res.data["contenders"]["grpo-ssd"]["planner"]
     assert planned["peak_bytes"] <= int(1.8e9) < planned["next_peak_bytes"]
-    assert rows["grpo-ssd"][4] == str(planned["layers"])
+    assert rows["grpo-ssd"][5] == str(planned["layers"])
     assert any("write 0.90 GB/s per copy in training vs dd 1.80 GB/s (50 %)" in n for n in res.notes)
 
 
