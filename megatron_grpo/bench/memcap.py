@@ -43,7 +43,7 @@ START_RESERVE = 0.55e9
 are re-made with the measured value)."""
 START_OVERHEAD = 0.3e9
 """The agent's and page cache's share of the cap guessed for the first size only."""
-MAX_PROBES = 8
+MAX_PROBES = 16
 DD_MB = 512
 
 

@@ -23,6 +23,7 @@ SPARSE_TIERS = ("no-stable", "any")
 TIER_POLICIES = ("importance", "random", "inverse")
 IMPORTANCE_SCORES = ("grad-weight", "grad", "fisher")
 INTERNODE_PRESETS = ("none", "source")
+GRAD_ACCUMULATION = ("device", "host")
 SAMPLE_DGRAD = ("none", "stable", "below-core")
 SAMPLE_POLICIES = ("importance", "uniform")
 
@@ -197,6 +198,16 @@ class GRPOConfig:
     for the end of backward instead (it learns how often each gradient hook fires), so every
     unit's full gradient is resident at once: the run's peak. A hook firing again after its
     unit's sync started is an error naming the parameter; turn this off for such a model."""
+    grad_accumulation: str = "device"
+    """Where a unit's gradient adds up over a step's micro-batches. device: megatron's, in the
+    unit's gradient storage, full from the first micro-batch to the last one's sync. host: once
+    a micro-batch's backward has produced every gradient of a unit (before the last
+    micro-batch), the unit's gradient is added into an fp32 accumulator in host memory and its
+    device storage freed; the last micro-batch adds it back just before the unit's sync. The
+    sum is the same in fp32 (bit for bit on CPU); the device then holds a few units' gradients
+    at a time instead of the whole model's, for host memory (4 bytes per element) and PCIe
+    traffic (docs/offload.md). Needs gradient release, the distributed optimizer and
+    --overlap-grad-reduce."""
     grad_units_in_flight: int = 2
     """With --overlap-grad-reduce: at most this many units' syncs are outstanding during
     backward; before another starts, the oldest is waited for and its full gradient released.
@@ -360,6 +371,11 @@ class GRPOConfig:
             fail("outer_lr", "in (0, 2]", self.outer_lr)
         if not 0.0 <= self.outer_momentum < 1.0:
             fail("outer_momentum", "in [0, 1)", self.outer_momentum)
+        if self.grad_accumulation not in GRAD_ACCUMULATION:
+            fail("grad_accumulation", "one of " + ", ".join(GRAD_ACCUMULATION), self.grad_accumulation)
+        if self.grad_accumulation == "host" and not self.release_grads:
+            fail("release_grads", "on with --grpo-grad-accumulation host (the units' gradient "
+                 "storage is what leaves the device)", self.release_grads)
         if isinstance(self.grad_units_in_flight, bool) or not isinstance(self.grad_units_in_flight, int) \
                 or self.grad_units_in_flight < 1:
             fail("grad_units_in_flight", "an integer >= 1", self.grad_units_in_flight)

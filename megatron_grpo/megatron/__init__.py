@@ -154,6 +154,9 @@ def grpo_hooks(cfg):
             rec["grad_units_full_after_step"] = sum(m["grad_units_full"] for m in each)
             rec["grad_bytes_whole_buffer"] = sum(m["grad_bytes_whole_buffer"] for m in each)
             rec["grad_bytes_largest_bucket"] = max(m["grad_bytes_largest_bucket"] for m in each)
+            # --grpo-grad-accumulation host: host bytes, and this step's parks and folds.
+            for key in sorted({k for m in each for k in m if k.startswith("grad_host_accum_")}):
+                rec[key] = sum(m.get(key, 0.0) for m in each)
         return rec
 
     def before_save():

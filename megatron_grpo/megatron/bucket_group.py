@@ -38,7 +38,7 @@ from megatron_grpo.comm.dynamic import CompressedReduceScatter, gather_param_del
 from megatron_grpo.comm.hierarchical import InterInstanceAllReduce
 from megatron_grpo.comm.powersgd import PowerSGDReduceScatter
 from megatron_grpo.comm.replicated import bucket_ranges
-from megatron_grpo.megatron import compat
+from megatron_grpo.megatron import compat, grad_accum
 from megatron_grpo.megatron.grad_storage import reads_after_sync
 from megatron_grpo.megatron.options import check_ddp_options, sum_scaling_factor
 from megatron_grpo.megatron.sync_handles import Completed as _Completed, Handles as _Handles
@@ -139,6 +139,7 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
         if self.is_first_batch and self.grad_reduce_handle is not None:
             return  # megatron's first-batch guard: already dispatched from finish_grad_sync
         assert self.grad_reduce_handle is None, "Should not have multiple communication calls outstanding at once"
+        grad_accum.fold_group(self)  # --grpo-grad-accumulation host: the earlier micro-batches
         self._start_tiered(force_all_reduce)
         self._in_flight(force_all_reduce)
 
@@ -299,6 +300,7 @@ class GRPOBucketGroup(_ParamAndGradBucketGroup):
         the unit's sync starts once every parameter's gradient is ready, as in later batches,
         instead of after backward: otherwise every unit is full at once then (the peak)."""
         super().register_grad_ready(param, force_all_reduce)
+        grad_accum.on_grad_ready(self, param)  # before the last micro-batch: to the host
         if not (self.is_first_batch and self.is_last_microbatch and self.grpo is not None
                 and self.grpo_storage is not None and self.grpo.config.first_batch_overlap):
             return
@@ -471,6 +473,9 @@ def install(ddp_chunks: list, controller) -> None:
     storage_of = {id(g): getattr(chunk, "__dict__", {}).get("grpo_grad_storage")
                   for chunk in ddp_chunks for g in getattr(chunk, "bucket_groups", [])}
     late_of = _late_params(ddp_chunks)
+    for unit in controller.units:
+        grad_accum.check_installable(storage_of.get(id(unit.group)), unit.group.ddp_config,
+                                     controller.config, rank)
     for unit in controller.units:
         group = unit.group
         group.__class__ = GRPOBucketGroup

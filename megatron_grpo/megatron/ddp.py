@@ -38,6 +38,7 @@ from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
 from megatron_grpo.grpo.config import default_bucket_elements
 from megatron_grpo.megatron import compat
 from megatron_grpo.megatron.grad_storage import GradStorage, cut_buffer
+from megatron_grpo.megatron.grad_accum import HostAccumulator
 
 
 class _GradBufferOnMeta(TorchFunctionMode):
@@ -103,6 +104,8 @@ class GRPODistributedDataParallel(DistributedDataParallel):
             super().__init__(config, ddp_config, module, *args, **kwargs)
         if release:
             storage = GradStorage(grpo_config.grad_units_in_flight)
+            if grpo_config.grad_accumulation == "host":
+                storage.host_accum = HostAccumulator()
             cut_buffer(self, storage)
             self.__dict__["grpo_grad_storage"] = storage
             if getattr(config, "gradient_accumulation_fusion", False):

@@ -114,6 +114,13 @@ class BucketGrads:
         self._free()
         self.state = SHARD
 
+    def vacate(self) -> None:
+        """A micro-batch's gradient went to the host (--grpo-grad-accumulation host): free the
+        full storage; the next write allocates it again, zeroed (``ensure``)."""
+        if self.state == FULL:
+            self._free()
+            self.state = EMPTY
+
     def drop(self) -> None:
         """The step is over (or a new one starts): nothing stays; main_grad views restored."""
         if self.state == FULL:
@@ -203,6 +210,7 @@ class GradStorage:
         self.shards = None                   # GradShards of the memory tier (grad_shards.py), if on
         self.shard_peak = 0                  # most shard bytes resident at once this step
         self.setup_buffer_bytes = 0          # megatron's whole buffer as allocated (0: on meta, ddp.py)
+        self.host_accum = None               # HostAccumulator (grad_accum.py), if on
 
     def add(self, grads: BucketGrads) -> None:
         self.buckets.append(grads)
@@ -221,6 +229,8 @@ class GradStorage:
         self.outstanding.clear()
         for b in buckets:
             b.grpo_grads.drop()
+        if self.host_accum is not None:
+            self.host_accum.clear()
         self.peak = self.shard_peak = 0
         self._account()
 
@@ -243,7 +253,8 @@ class GradStorage:
 
     def metrics(self) -> Dict[str, float]:
         full = sum(1 for g in self.buckets if g.state == FULL)
-        return {"grad_bytes_peak": float(self.peak), "grad_bytes_resident": float(self.resident),
+        extra = self.host_accum.metrics() if self.host_accum is not None else {}
+        return {**extra, "grad_bytes_peak": float(self.peak), "grad_bytes_resident": float(self.resident),
                 "grad_shard_bytes_peak": float(self.shard_peak),
                 "grad_bytes_setup_buffer": float(self.setup_buffer_bytes),
                 "grad_units_full": float(full),

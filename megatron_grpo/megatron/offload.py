@@ -100,7 +100,7 @@ def build_placement(config: OffloadConfig, optimizer, ctrl, rank: int) -> Option
               f"(--grpo-offload-fallback cpu): offloaded state goes to host memory instead.",
               flush=True)
         target = "cpu"
-    placement = TierPlacement(store, target, stream=config.stream)
+    placement = TierPlacement(store, target, stream=config.stream, stream_core=config.core)
     if residuals:
         # PowerSGD's residuals are new tensors every step; they stay in memory.
         placement.residuals = OffloadedResiduals(store, target)

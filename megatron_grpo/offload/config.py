@@ -46,6 +46,12 @@ class OffloadConfig:
     tier's at its updates; every unit's during the exact warm-up) pass through the optimizer step
     one tier unit at a time, three allocated at most. Off: only the stable tier's state moves,
     between its updates, prefetched one step ahead (the peak, an update step, holds all)."""
+    core: bool = False
+    """With --grpo-offload cpu|ssd and --grpo-offload-stream: the core tier's masters and Adam
+    moments (and, with --grpo-offload-grads, its gradient shards) stream through the optimizer
+    step too, as every unit's do in the warm-up, instead of staying on the device. For the
+    largest models, where the core tier's 12 bytes per element are what the device runs out
+    of; it costs their transfer every step."""
     residuals: bool = True
     """With --grpo-offload cpu|ssd: the dynamic tier's error-feedback residuals (one fp32 copy
     of each dynamic bucket on every rank) also live away between their read in backward and
@@ -126,6 +132,9 @@ class OffloadConfig:
         if planned and self.memory_budget_gb and self.target == "none":
             fail("target", "cpu or ssd with --grpo-memory-budget-gb (where state may move)",
                  self.target)
+        if self.core and not self.stream:
+            fail("core", "off without --grpo-offload-stream (the core tier's state can only "
+                 "leave the device streamed)", self.core)
         if not _is_int(self.capacity) or self.capacity < 0:
             fail("capacity", "an integer number of bytes >= 0", self.capacity)
         if self.offload_dir is not None and self.capacity == 0 and not planned:

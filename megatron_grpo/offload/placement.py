@@ -80,7 +80,8 @@ def owns_storage(tensor: torch.Tensor) -> bool:
 class TierPlacement:
     """Moves units' state between device and ``target`` (cpu or ssd) on a ChunkStore."""
 
-    def __init__(self, store: ChunkStore, target: str, stream: bool = False):
+    def __init__(self, store: ChunkStore, target: str, stream: bool = False,
+                 stream_core: bool = False):
         if target not in ("cpu", "ssd"):
             raise ValueError(f"offload: TierPlacement target must be cpu or ssd, got {target!r}")
         self.store, self.target, self.stream_on = store, target, stream
@@ -92,6 +93,7 @@ class TierPlacement:
         self.accumulators = None  # OffloadedResiduals of the delayed stable accumulators
         self.grads = None  # OffloadedResiduals of gradient shards (the glue's GradShards drives it)
         self.stream_everything = False  # this step streams core units too (GRPO's warm-up)
+        self.stream_core = stream and stream_core  # --grpo-offload-core: every step
         self._last_stats = store.stats()
         self.tiers: Sequence[str] = ()
 
@@ -171,7 +173,7 @@ class TierPlacement:
 
     def streamed(self, key: Hashable) -> bool:
         return (self.stream_on and isinstance(key, tuple) and key[1] in STREAMED_KINDS
-                and (self.stream_everything or self.tier(key) in STREAMED_TIERS))
+                and (self.stream_everything or self.stream_core or self.tier(key) in STREAMED_TIERS))
 
     def needed(self, key: Hashable, update: bool) -> bool:
         """Resident outside the optimizer step's stream: everything but the stable tier

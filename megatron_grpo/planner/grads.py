@@ -263,7 +263,7 @@ def release_memory(g, grpo, units: List[int], weights: List[Dict[str, float]],
                    micro_batches: int, overlap_grad_reduce: bool,
                    events: Optional[Sequence[Tuple[int, float]]] = None,
                    last_activations: Optional[int] = None, streamed: bool = False,
-                   shards_away: bool = False) -> None:
+                   shards_away: bool = False, core_away: bool = False) -> None:
     """Set the gradient and staged-residual fields of ``g`` (a planner Memory) to the steady
     peak's moment, ``g.grad_peaks`` and ``g.step_peaks`` by kind of step and, with
     --grpo-release-grads, ``g.first_iteration`` to the first iteration's peak. ``events``
@@ -286,7 +286,8 @@ def release_memory(g, grpo, units: List[int], weights: List[Dict[str, float]],
         if not release:  # every unit's storage is there all the time
             step = [dataclasses.replace(u, syncs=1.0, held=0.0) for u in step]
         elif shards_away:
-            step = [dataclasses.replace(u, away=w["dynamic"] + w["stable"]) for u, w in zip(step, weights)]
+            step = [dataclasses.replace(u, away=w["dynamic"] + w["stable"] + (w["core"] if core_away else 0.0))
+                    for u, w in zip(step, weights)]
         moment, g.grad_peaks[kind] = grad_timeline(step, g.activations, window, prefilled, release,
                                                    events, last_activations)
         g.step_peaks[kind] = round(base + moment.total)
@@ -327,10 +328,10 @@ def late_bytes(pp: int, stage: int, rope: bool, numels: List[int], bucket_elemen
 # ------------------------------------------------------------ the memory tier's placement
 def place(g, units: List[int], elements: Dict[str, float], shard: float, dp: int,
           stream: bool, residuals: bool = False, stable_every_step: bool = False,
-          unit_residual: int = 0, unit_accumulator: int = 0) -> None:
+          unit_residual: int = 0, unit_accumulator: int = 0, core: bool = False) -> None:
     """The memory tier's effect on ``g`` (a planner Memory of one rank) (megatron_grpo/offload/placement.py). Streaming:
-    the dynamic and stable units' masters and moments (12 bytes per shard element) are away at
-    the peak but for two units' worth. Without streaming only the stable tier's state moves,
+    the dynamic and stable units' masters and moments (12 bytes per shard element; the core
+    units' too with ``core``) are away at the peak but for two units' worth. Without streaming only the stable tier's state moves,
     and only between its updates (the peak, an update step, keeps it); a stable tier synced
     every step (--grpo-stable-mode compressed) has no such gap and stays resident.
     ``unit_residual``: bytes of the largest unit's residual (committed residuals away but for
@@ -339,9 +340,9 @@ def place(g, units: List[int], elements: Dict[str, float], shard: float, dp: int
     the update step reads them in backward like the residuals)."""
     total = sum(elements.values()) or 1.0
     share = {t: elements[t] / total for t in elements}
-    if stream:
-        g.offloaded = max(0, round(12 * shard * (share["dynamic"] + share["stable"])
-                                   - stream_window_bytes(units, dp)))
+    if stream:  # --grpo-offload-core: the core tier's state streams too
+        away = share["dynamic"] + share["stable"] + (share["core"] if core else 0.0)
+        g.offloaded = max(0, round(12 * shard * away - stream_window_bytes(units, dp)))
     elif not stable_every_step:
         g.offloaded_between_updates = round(12 * shard * share["stable"])
     if residuals and g.error_feedback:

@@ -539,7 +539,8 @@ def plan(model: ModelSpec, cluster: ClusterSpec, grpo: GRPOConfig,
             place(g, units, elements, sum(numels) / intra, intra, offload.stream,
                    offload.residuals and grpo.compressor != "powersgd",
                    stable_every_step=stable_compressor is not None, unit_residual=max(residuals),
-                   unit_accumulator=4 * max(n * w["stable"] for n, w in zip(units, weights)))
+                   unit_accumulator=4 * max(n * w["stable"] for n, w in zip(units, weights)),
+                   core=offload.stream and offload.core)
         # Gradients with --grpo-release-grads, and the new residuals staged at the syncs.
         late = late_bytes(pp, st, model.rope, numels, grpo.bucket_elements, intra, len(units))
         unit_of = param_units(numels, grpo.bucket_elements, intra)
@@ -550,9 +551,13 @@ def plan(model: ModelSpec, cluster: ClusterSpec, grpo: GRPOConfig,
             freed += sum(parts.get(part, 0) for part in freed_here)
             events.append((unit_of[i], freed))
         release_memory(g, grpo, units, weights, residuals, late, ef_tiers, intra,
-                       model.micro_batches(dp, pp), model.overlap_grad_reduce, events,
+                       # Host accumulation: before the last micro-batch a unit's gradient
+                       # leaves as soon as it is complete, so the device sees one micro-batch.
+                       1 if grpo.grad_accumulation == "host" else model.micro_batches(dp, pp),
+                       model.overlap_grad_reduce, events,
                        min(act, last_backward_activation_bytes(model, cluster, st)),
-                       streamed=streamed, shards_away=streamed and offload.grads and grpo.release_grads)
+                       streamed=streamed, shards_away=streamed and offload.grads and grpo.release_grads,
+                       core_away=streamed and offload.core)
         return baseline, g
 
     if stage is not None:

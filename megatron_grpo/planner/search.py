@@ -53,8 +53,13 @@ RECOMPUTE = (None, "selective", "full")
 MEGATRON_OPTIONS = ("distributed-optimizer", "fsdp", "cpu-offload")
 """megatron's memory options searched (cpu-offload: the DistributedOptimizer with
 optimizer_cpu_offload at the smallest fraction that fits)."""
-GRPO_OPTIONS = ("grpo", "grpo-offload-cpu", "grpo-offload-ssd")
-"""GRPO's memory settings searched: no memory tier, the tier on host RAM, on NVMe."""
+GRPO_OPTIONS = tuple(f"grpo{target}{core}{accum}" for target in ("", "-offload-cpu", "-offload-ssd")
+                     for core in (("", "-core") if target else ("",))
+                     for accum in ("", "-host-accum"))
+"""GRPO's memory settings searched: no memory tier, the tier on host RAM (-offload-cpu) or NVMe
+(-offload-ssd), with the core tier's state streamed too (-core, --grpo-offload-core), each with
+the gradients accumulated on the device or in host memory (-host-accum,
+--grpo-grad-accumulation host)."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,9 @@ class Node:
     """NVMe read or write for the whole node, GB/s."""
     host_adam_per_s: float = 2.0e9
     """Parameters the node's CPUs update with Adam per second (all ranks together)."""
+    host_add_per_s: float = 10.0e9
+    """fp32 elements the node's CPUs add into an accumulator per second (a += b: 12 bytes of
+    memory traffic each, ~120 GB/s), all ranks together."""
 
     def validate(self) -> None:
         for name in ("gpus",):
@@ -123,6 +131,19 @@ class Setting:
     def system(self) -> str:
         return "grpo" if self.option in GRPO_OPTIONS else "megatron"
 
+    @property
+    def target(self) -> str:
+        """GRPO's memory tier: none, cpu or ssd."""
+        return "cpu" if "offload-cpu" in self.option else "ssd" if "offload-ssd" in self.option else "none"
+
+    @property
+    def host_accum(self) -> bool:
+        return self.option.endswith("host-accum")
+
+    @property
+    def streams_core(self) -> bool:
+        return "-core" in self.option
+
     def flags(self) -> List[str]:
         """The training flags that set this up (megatron's names; GRPO's on top)."""
         out = [f"--tensor-model-parallel-size {self.tp}", f"--pipeline-model-parallel-size {self.pp}"]
@@ -135,8 +156,12 @@ class Setting:
                 "fsdp": ["--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params"],
                 "cpu-offload": ["--use-distributed-optimizer --optimizer-cpu-offload "
                                 "--use-precision-aware-optimizer"],
-                "grpo": ["--grpo"], "grpo-offload-cpu": ["--grpo --grpo-offload cpu"],
-                "grpo-offload-ssd": ["--grpo --grpo-offload ssd"]}[self.option]
+                }.get(self.option, [])
+        if self.system == "grpo":
+            out.append("--use-distributed-optimizer --grpo")
+            out += [f"--grpo-offload {self.target}"] if self.target != "none" else []
+            out += ["--grpo-offload-core"] if self.streams_core else []
+            out += ["--grpo-grad-accumulation host"] if self.host_accum else []
         if self.system == "megatron" and self.grad_bytes == 2:
             out.append("--grad-reduce-in-bf16")
         return out
@@ -264,17 +289,22 @@ def usage(model: ModelSpec, node: Node, s: Setting, grpo=None, offload=None,
         per_gpu = max(frac * shard for *_, shard in stages)
         return Usage(round(gpu), round(host), 0, frac, round(per_gpu))
     # GRPO: the planner's own memory with the tier as configured.
-    off = None
-    if s.option != "grpo":
-        off = dataclasses.replace(offload, target="cpu" if s.option == "grpo-offload-cpu" else "ssd")
+    off = None if s.target == "none" else dataclasses.replace(offload, target=s.target,
+                                                                core=s.streams_core)
+    if s.host_accum:
+        grpo = dataclasses.replace(grpo, grad_accumulation="host")
     p = plan(model, cluster, grpo, bucket_size=bucket, offload=off)
     m = p.grpo_memory
     away = m.offloaded + m.offloaded_between_updates
+    elements = sum(stage_param_numels(model, cluster, p.memory_stage))
     # The streamed units' gradient shards leave at their sync for the same target.
-    shards = 4 * (1 - grpo.core_share) * sum(stage_param_numels(model, cluster, p.memory_stage)) \
-        / cluster.dp if off is not None and off.grads and grpo.release_grads else 0
-    host = away + shards if s.option == "grpo-offload-cpu" else 0
-    nvme = away + shards if s.option == "grpo-offload-ssd" else 0
+    streamed = 1.0 if s.streams_core else 1 - grpo.core_share
+    shards = 4 * streamed * elements / cluster.dp \
+        if off is not None and off.grads and grpo.release_grads else 0
+    host = away + shards if s.target == "cpu" else 0
+    nvme = away + shards if s.target == "ssd" else 0
+    if s.host_accum:  # an fp32 accumulator per element, and one pinned landing buffer
+        host += 4 * elements + 4 * max(p.units)
     return Usage(reserve + m.total, round(host * node.gpus), round(nvme * node.gpus),
                  per_gpu_offloaded=away)
 
@@ -292,29 +322,47 @@ def fits(u: Usage, node: Node) -> Optional[str]:
 
 def largest(model: ModelSpec, node: Node, s: Setting, measure: Callable[[int], Usage],
             max_layers: int = 2048) -> Tuple[int, Optional[Usage], str]:
-    """(largest layers, its usage, what one more step of PP layers exceeds), searched over
-    multiples of PP: every limit grows with each layer."""
+    """(largest layers, its usage, what one more step of PP layers exceeds), over multiples of
+    PP: every limit grows with each layer, about linearly, so two sizes give a first guess;
+    the boundary is then bracketed from it and bisected (every answer checked, none assumed)."""
     step = s.pp
+    seen: Dict[int, Tuple[Optional[str], Usage]] = {}
 
     def verdict(layers: int) -> Tuple[Optional[str], Usage]:
-        u = measure(layers)
-        return fits(u, node), u
+        if layers not in seen:
+            u = measure(layers)
+            seen[layers] = (fits(u, node), u)
+        return seen[layers]
 
-    lo, lo_use, hi = 0, None, step
-    why, use = verdict(hi)
-    while why is None and hi <= max_layers:
-        lo, lo_use = hi, use
-        hi *= 2
-        why, use = verdict(hi)
-    bound = why or "max_layers"
+    limits = (node.gpu_memory_gb * 1e9, (node.host_memory_gb - node.host_reserve_gb) * 1e9,
+              node.nvme_gb * 1e9)
+    a, b = 4 * step, 8 * step
+    ua, ub = verdict(a)[1], verdict(b)[1]
+    guess = float(max_layers)
+    for x, y, limit in zip((ua.gpu, ua.host, ua.nvme), (ub.gpu, ub.host, ub.nvme), limits):
+        if y > x:
+            guess = min(guess, a + (limit - x) * (b - a) / (y - x))
+    guess = min(max_layers, max(step, int(guess) // step * step))
+    if verdict(guess)[0] is None:
+        lo, d = guess, step
+        while lo + d <= max_layers and verdict(lo + d)[0] is None:
+            lo, d = lo + d, d * 2
+        hi = lo + d
+    else:
+        hi, d = guess, step
+        while hi - d > 0 and verdict(hi - d)[0] is not None:
+            hi, d = hi - d, d * 2
+        lo = max(0, hi - d)
     while hi - lo > step:
         mid = (lo + hi) // 2 // step * step
-        w, u = verdict(mid)
-        if w is None:
-            lo, lo_use = mid, u
+        if verdict(mid)[0] is None:
+            lo = mid
         else:
-            hi, bound = mid, w
-    return lo, lo_use, bound
+            hi = mid
+    if lo + step > max_layers:
+        return lo, verdict(lo)[1], "max_layers"
+    bound = verdict(lo + step)[0] or "max_layers"
+    return lo, (verdict(lo)[1] if lo else None), bound
 
 
 def _tokens(model: ModelSpec, dp: int, pp: int) -> int:
@@ -351,15 +399,20 @@ def step_time(model: ModelSpec, node: Node, s: Setting, u: Usage, grpo=None) -> 
     if s.system == "grpo":
         if dp > 1:
             parts["param_gather"] = wire((dp - 1) * shard * model.param_bytes)
-        if s.option != "grpo":
+        if s.host_accum and m > 1:
+            # Every micro-batch but the last: each element's fp32 gradient out and added on the
+            # host; then the sum back once (unhidden: the copies wait on backward's thread).
+            parts["grad_accum_pcie"] = m * 4 * elements / (node.pcie_gbs * 1e9)
+            parts["host_add"] = (m - 1) * elements * node.gpus / node.host_add_per_s
+        if s.target != "none":
             # Per step: the dynamic tier's state out and back every step, the stable tier's
             # every --grpo-stable-interval steps (by their shares of what lives away).
-            away = grpo.dynamic_share + grpo.stable_share
-            per_step = (grpo.dynamic_share + grpo.stable_share / max(1, grpo.stable_interval)) / away \
-                if away else 0.0
+            every = grpo.dynamic_share + (grpo.core_share if s.streams_core else 0.0)
+            away = every + grpo.stable_share
+            per_step = (every + grpo.stable_share / max(1, grpo.stable_interval)) / away if away else 0.0
             moved = 2 * u.per_gpu_offloaded * per_step
             parts["pcie"] = moved / (node.pcie_gbs * 1e9)
-            if s.option == "grpo-offload-ssd":
+            if s.target == "ssd":
                 parts["nvme"] = max(0.0, moved * node.gpus / (node.nvme_gbs * 1e9) - parts["pcie"])
     parts["step"] = sum(parts.values())
     return parts

@@ -83,3 +83,45 @@ def test_pipeline_stages_release_bit_identically(stdlib_data, tmp_path):
 def test_other_layouts_release_bit_identically(stdlib_data, tmp_path, layout):
     on, off = _pair(tmp_path, "l", 4, [stdlib_data, *layout], iters=12)
     _check_released(on, off)
+
+
+FOUR_MICROBATCHES = ["--global-batch-size", "16"]  # micro 2 x dp 2 x 4
+
+
+@pytest.mark.parametrize("mode", [
+    ["--grpo-stable-mode", "delayed"],
+    ["--grpo-stable-mode", "frozen", "--grpo-offload", "cpu"],
+], ids=["delayed", "frozen-offload"])
+def test_host_accumulation_is_bit_identical_and_holds_a_few_units(stdlib_data, tmp_path, mode):
+    """--grpo-grad-accumulation host over 4 micro-batches: the same losses bit for bit as the
+    device's accumulation; every unit parked once per micro-batch before the last and folded
+    back once; the device's gradient peak a few units, where the device's accumulation holds
+    every unit at once."""
+    base = [*SMALL_MODEL, *GRPO_SMALL, "--data-path", stdlib_data, "--train-iters", "12",
+            "--eval-interval", "1000", *FOUR_MICROBATCHES, "--grpo-grad-units-in-flight", "1", *mode]
+    dev = train_and_read(tmp_path, "dev", 2, base, timeout=600)
+    host = train_and_read(tmp_path, "host", 2, [*base, "--grpo-grad-accumulation", "host"], timeout=600)
+    assert [r["loss"] for r in host] == [r["loss"] for r in dev]
+    whole, largest = dev[0]["grad_bytes_whole_buffer"], dev[0]["grad_bytes_largest_bucket"]
+    assert dev[0]["grad_bytes_peak"] == whole  # warm-up: every unit full across micro-batches
+    assert all(h["grad_bytes_peak"] < d["grad_bytes_peak"] for h, d in zip(host, dev))
+    assert all("grad_host_accum_parks" not in r for r in dev)
+    for r in host:
+        active = r["grad_host_accum_folds"]  # units that computed a gradient this step
+        # A frozen stable unit computes a gradient only on its update steps.
+        frozen = r["grpo_tier_map"].count("s") if "frozen" in mode else 0
+        assert len(r["grpo_tier_map"]) - frozen <= active <= len(r["grpo_tier_map"]), r
+        assert r["grad_host_accum_parks"] == 3 * active, r
+        assert r["grad_host_accum_bytes"] >= r["grad_host_accum_parked_bytes"] / 3
+        # The device holds the unit being written, one in flight and this rank's shards.
+        assert r["grad_bytes_peak"] <= whole / 2 + 3 * largest, r
+        assert r["grad_bytes_after_step"] == 0, r
+
+
+def test_host_accumulation_refuses_megatrons_one_buffer(stdlib_data, tmp_path):
+    from harness import run_training
+
+    with pytest.raises(Exception) as err:
+        run_training(2, [*SMALL_MODEL, *GRPO_SMALL, "--data-path", stdlib_data, "--train-iters", "2",
+                         "--grpo-grad-accumulation", "host", "--no-grpo-release-grads"], timeout=300)
+    assert "--grpo-grad-accumulation host" in str(err.value) and "--grpo-release-grads" in str(err.value)

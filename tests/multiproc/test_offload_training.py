@@ -251,3 +251,20 @@ def test_memory_budget_chooses_before_the_model_and_refuses_what_cannot_fit(runs
     assert "rank 0: --grpo-memory-budget-gb 0.001 (OffloadConfig.memory_budget_gb): no placement fits" in text
     assert "rank 1: --grpo-memory-budget-gb 0.001" in text
     assert not metrics.exists()
+
+
+def test_core_state_streams_and_gradients_accumulate_on_the_host(runs):
+    """The largest-model settings: --grpo-offload-core streams the core tier's state through
+    every step too, and --grpo-grad-accumulation host adds the two micro-batches' gradients in
+    host memory: the same bits as the run without either, and after the warm-up no tier's
+    masters or moments stay on the device."""
+    records = train_and_read(runs["tmp"], "core", 2, [
+        *runs["base"], "--grpo-offload", "cpu", "--grpo-offload-core",
+        "--grpo-grad-accumulation", "host", *OFFLOAD])
+    assert losses(records) == losses(runs["plain"])
+    assert records[-1]["val_loss"] == runs["plain"][-1]["val_loss"]
+    for r in records[9:]:  # tiered (GRPO_SMALL: from iteration 9 on)
+        for tier in ("core", "dynamic"):
+            assert r[f"offload_bytes_{tier}_device"] == 0 and r[f"offload_bytes_{tier}_cpu"] > 0, r
+        assert r["grad_host_accum_parks"] == r["grad_host_accum_folds"] > 0, r  # 2 micro-batches
+        assert r["grad_bytes_after_step"] == 0

@@ -94,6 +94,7 @@ RANGE = {
     "grpo.internode_preset": ["--grpo-internode-preset", "diloco"],
     "grpo.release_grads": None, "grpo.first_batch_overlap": None,
     "grpo.grad_units_in_flight": ["--grpo-grad-units-in-flight", "0"],
+    "grpo.grad_accumulation": ["--grpo", "--grpo-grad-accumulation", "cpu"],
     "grpo.residual_dtype": ["--grpo-residual-dtype", "fp16"],
     "grpo.sampled_backward": None,
     "grpo.sample_variance_budget": ["--grpo-sample-variance-budget", "0"],
@@ -106,6 +107,7 @@ RANGE = {
     "grpo.sample_policy": ["--grpo-sample-policy", "random"],
     "offload.target": ["--grpo", "--grpo-offload", "disk"], "offload.stream": None,
     "offload.residuals": None, "offload.grads": None,
+    "offload.core": ["--grpo", "--grpo-offload", "cpu", "--grpo-offload-core", "--no-grpo-offload-stream"],
     "offload.offload_dir": ["--grpo", "--grpo-offload", "ssd"],  # ssd without a directory
     "offload.chunk_mb": ["--grpo-offload-chunk-mb", "0"],
     "offload.fallback": ["--grpo-offload-fallback", "warn"],

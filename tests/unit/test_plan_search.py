@@ -12,7 +12,7 @@ import pytest
 from megatron_grpo.grpo.config import GRPOConfig
 from megatron_grpo.offload.config import OffloadConfig
 from megatron_grpo.planner.activations import layer_activation_bytes, stage_activation_bytes
-from megatron_grpo.planner.plan import ClusterSpec, ModelSpec, plan
+from megatron_grpo.planner.plan import ClusterSpec, ModelSpec, plan, stage_param_numels
 from megatron_grpo.planner.search_format import format_search
 from megatron_grpo.planner.search import (Node, Setting, fits, largest, search, settings, step_time,
                                           usage)
@@ -143,3 +143,29 @@ def test_plan_cli_search_json_and_refusals(capsys):
     assert "--search sizes one node" in capsys.readouterr().err
     assert cli.main(argv + ["--host-memory-gb", "0.4"]) == 2
     assert "--host-reserve-gb" in capsys.readouterr().err
+
+
+def test_host_accumulation_and_streamed_core_leave_the_device_and_bill_the_host():
+    many = dataclasses.replace(MODEL, num_layers=8, global_batch_size=32)  # 16 micro-batches at dp 2
+    dev = Setting(2, 1, True, "full", "grpo-offload-cpu", 4)
+    host = dataclasses.replace(dev, option="grpo-offload-cpu-host-accum")
+    core = dataclasses.replace(dev, option="grpo-offload-cpu-core-host-accum")
+    cluster = ClusterSpec(nodes=1, gpus_per_node=4, gpu_memory_gb=4.0, tp=2)
+    off = OffloadConfig(target="cpu")
+    u = {s.option: usage(dataclasses.replace(many, sequence_parallel=True, recompute_granularity="full",
+                                             recompute_method="uniform", recompute_num_layers=1),
+                         NODE, s, GRPO, off) for s in (dev, host, core)}
+    # Host accumulation: the device's gradient peak is the one-micro-batch figure.
+    one = plan(dataclasses.replace(many, global_batch_size=2), cluster, GRPO, offload=off).grpo_memory
+    accum = plan(many, cluster, dataclasses.replace(GRPO, grad_accumulation="host"), offload=off).grpo_memory
+    assert accum.grad_peaks == one.grad_peaks
+    assert u[host.option].gpu < u[dev.option].gpu
+    elements = sum(stage_param_numels(many, cluster, 0))
+    assert u[host.option].host - u[dev.option].host >= 4 * elements * NODE.gpus
+    # Streaming the core tier too moves its 12 bytes per shard element off the device.
+    assert u[core.option].gpu < u[host.option].gpu and u[core.option].host > u[host.option].host
+    assert "--grpo-grad-accumulation host" in host.flags()
+    assert "--grpo-offload-core" in core.flags() and "--grpo-offload cpu" in core.flags()
+    parts = step_time(many, NODE, host, u[host.option], GRPO)
+    assert parts["grad_accum_pcie"] == pytest.approx(16 * 4 * elements / (NODE.pcie_gbs * 1e9))
+    assert parts["host_add"] == pytest.approx(15 * elements * NODE.gpus / NODE.host_add_per_s)
