@@ -45,7 +45,9 @@ RUNS = {"base": [], "grpo": GRPO_SMALL, "grpo_bf16": [*GRPO_SMALL, "--bf16"],
         "release_w1_int8": [*GRPO_SMALL, "--global-batch-size", "4", "--grpo-grad-units-in-flight", "1",
                             "--grpo-residual-dtype", "int8", "--grpo-stable-mode", "delayed"],
         "no_release_bf16": [*GRPO_SMALL, "--global-batch-size", "4", "--no-grpo-release-grads",
-                            "--grpo-residual-dtype", "bf16"]}
+                            "--grpo-residual-dtype", "bf16"],
+        # Two micro-batches, accumulated in host memory: the device sees one at a time.
+        "host_accum": [*GRPO_SMALL, "--grpo-grad-accumulation", "host", "--grpo-grad-units-in-flight", "1"]}
 
 
 def _probe(tmp, name, data, args):
@@ -177,7 +179,7 @@ def test_activation_memory_within_1_percent(runs, name):
 
 
 @pytest.mark.parametrize("name", ["grpo", "grpo_bf16", "grpo_core_int8", "llama", "llama_bf16", "release_1mb",
-                                  "release_w1_int8", "no_release_bf16"])
+                                  "release_w1_int8", "no_release_bf16", "host_accum"])
 def test_step_peak_within_5_percent_gradient_and_residual_bytes_exact(runs, name):
     """Issue 28: per step, against the planner for that step's tiers and kind (the first
     iteration, a stable update step or one between updates), the most gradient bytes (the
