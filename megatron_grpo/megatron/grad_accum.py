@@ -41,11 +41,13 @@ from megatron_grpo.megatron.grad_storage import FULL, BucketGrads
 class HostAccumulator:
     """One rank's host accumulators, one per gradient bucket, made at the first park."""
 
-    def __init__(self) -> None:
+    def __init__(self, copy_stream=None) -> None:
+        """``copy_stream``: the CopyStream device copies go through (made on the first CUDA
+        park when None; tests pass one on a stream double to take that path on CPU)."""
         self.acc: Dict[int, torch.Tensor] = {}      # id(BucketGrads) -> fp32 host tensor
         self.filled: Dict[int, bool] = {}            # holds a sum not yet folded back
         self.staging = None                          # CUDA: one pinned landing buffer (reused)
-        self.copy = None                             # CopyStream, made on the first CUDA park
+        self.copy = copy_stream                      # CopyStream, made on the first CUDA park
         self.parks = 0                               # this step: parks, and bytes moved out
         self.parked_bytes = 0
         self.folds = 0
@@ -60,7 +62,7 @@ class HostAccumulator:
         if acc is None:
             acc = torch.empty(src.numel(), dtype=torch.float32, pin_memory=src.is_cuda)
             self.acc[key] = acc
-        if src.is_cuda:
+        if src.is_cuda or self.copy is not None:
             src = self._landed(src)
         if self.filled.get(key):
             acc.add_(src)
@@ -78,7 +80,7 @@ class HostAccumulator:
             self.copy = CopyStream(src.device)
         # One buffer serves every unit: each copy is waited for and added before the next.
         if self.staging is None or self.staging.numel() < src.numel() or self.staging.dtype != src.dtype:
-            self.staging = torch.empty(src.numel(), dtype=src.dtype, pin_memory=True)
+            self.staging = torch.empty(src.numel(), dtype=src.dtype, pin_memory=src.is_cuda)
         staging = self.staging[:src.numel()]
         self.copy.run(staging, src, self.copy.mark())  # waits: the storage is freed next
         return staging

@@ -70,3 +70,27 @@ def test_settings_refuse_what_cannot_work():
     with pytest.raises(ValueError, match="needs --overlap-grad-reduce"):
         check_installable(object(), SimpleNamespace(overlap_grad_reduce=False), host, 0)
     check_installable(None, SimpleNamespace(overlap_grad_reduce=False), GRPOConfig(enabled=True), 0)
+
+
+def test_the_device_copy_is_waited_for_before_the_storage_is_freed():
+    """The CUDA path on a stream double that defers the copy stream's work until an event
+    after it is waited for: a park that freed the storage before its copy ran would land
+    zeros (or freed memory) on the host; the sum must still be exact."""
+    from copy_stream_double import FakeCuda, factory
+
+    cuda = FakeCuda()
+    acc = HostAccumulator(copy_stream=factory(cuda)("cpu"))
+    grads = BucketGrads(_bucket(64), 0, 1, [])
+    total = torch.zeros(64)
+    for k in range(3):
+        grads.ensure()
+        g = torch.arange(64, dtype=torch.float32) * (k + 1)
+        grads.grad.add_(g)
+        total.add_(g)
+        if k < 2:
+            acc.park(grads)
+            assert grads.grad.untyped_storage().nbytes() == 0
+            assert not cuda.streams[0].pending_storages()  # nothing queued reads it any more
+    acc.fold(grads)
+    assert torch.equal(grads.grad, total)
+    assert [what for _, what, _ in cuda.log].count("event_synchronize") >= 2
