@@ -1,4 +1,4 @@
-"""A CPU double of torch.cuda's stream API for the chunk store's copy stream (issue 27, item 5).
+"""A CPU double of torch.cuda's stream API for the chunk store's copy stream.
 
 ``FakeCuda`` has what megatron_grpo/offload/copy_stream.py uses: ``Stream``, ``Event``,
 ``current_stream``, ``stream`` (a per-thread current stream) and ``synchronize``. Its default

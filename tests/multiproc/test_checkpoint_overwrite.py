@@ -1,4 +1,4 @@
-"""Verified checkpoints are never overwritten (issue 30 item 1), on 2 gloo ranks.
+"""Verified checkpoints are never overwritten, on 2 gloo ranks.
 
 The reproduction: `--save D --load D` where D holds verified iter_0000005 ... iter_0000020 but
 no latest_checkpointed_iteration.txt (a job killed between a first save's rename and its tracker

@@ -1,4 +1,4 @@
-"""average_in_collective and context parallelism on two gloo ranks (issue 27, item 6).
+"""average_in_collective and context parallelism on two gloo ranks.
 
 Two real megatron DDP models (overlap on, distributed optimizer) with GRPO installed, one
 backward each, then the gradient shard each rank hands its optimizer:

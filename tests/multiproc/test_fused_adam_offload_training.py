@@ -1,4 +1,4 @@
-"""The memory tier with a fused optimizer (issue 27, item 4), in real 2-rank GRPO runs: megatron
+"""The memory tier with a fused optimizer, in real 2-rank GRPO runs: megatron
 builds TE FusedAdam's CPU double (megatron_grpo/platform/fused_adam.py) as its inner optimizer, as it
 builds TE's FusedAdam on a CUDA machine. With the memory tier (--grpo-offload cpu, streamed)
 the losses are those of the same run without it, bit for bit; every param group's step counter

@@ -77,7 +77,7 @@ def test_state_streams_through_the_optimizer_step_and_stays_away_between(runs):
         assert 0.0 <= r.get("offload_hidden_share", 0.0) <= 1.0
     # The dynamic tier's error-feedback residuals: read in backward, written after the step.
     assert all(by_iter[k]["offload_bytes_residuals_ssd"] > 0 for k in range(10, ITERS + 1))
-    # The delayed stable units' gradient sums (issue 28 item 2): made at 9, read back, added to
+    # The delayed stable units' gradient sums: made at 9, read back, added to
     # and written out again after every step between updates; none is resident from the start
     # of such a step through its backward (the writes of the last one landed first). An update
     # step (12, 16, 20) reads them ahead for its backward, then empties them.
@@ -89,7 +89,7 @@ def test_state_streams_through_the_optimizer_step_and_stays_away_between(runs):
             assert r["offload_bytes_accumulators_device_at_start"] == 0, k
         else:  # every stable unit has a sum since the last update: read ahead for backward
             assert r["offload_bytes_accumulators_device_at_start"] > 0, k
-    # Device bytes by kind and tier (issue 28 item 4): what the tier moves is away after every
+    # Device bytes by kind and tier: what the tier moves is away after every
     # tiered step, what it keeps is there, and without the tier all of it is resident.
     plain = {r["iteration"]: r for r in runs["plain"]}
     for k in range(9, ITERS + 1):

@@ -5,7 +5,7 @@ tests/multiproc/planner_probe.py (the real training loop, plus measurement of th
 tensors): the fp32 baseline, GRPO in fp32, GRPO in bf16, GRPO with an int8 core tier, and
 Llama-style layers (GQA, SwiGLU, RMSNorm, RoPE, no biases) in fp32 and bf16, with MHA in bf16
 and with full recompute; full (block) and selective recompute on the GPT layers; and gradient
-release (issue 28) with one micro-batch per step (the in-flight window applies: 2 units, and 1
+release with one micro-batch per step (the in-flight window applies: 2 units, and 1
 with int8 residuals and delayed stable units) and without release (bf16 residuals).
 GRPO_SMALL tiers the units at iteration 9; iteration 12 is a stable update step; its two
 micro-batches per step keep every unit's gradient full until the last one's sync.
@@ -181,7 +181,7 @@ def test_activation_memory_within_1_percent(runs, name):
 @pytest.mark.parametrize("name", ["grpo", "grpo_bf16", "grpo_core_int8", "llama", "llama_bf16", "release_1mb",
                                   "release_w1_int8", "no_release_bf16", "host_accum"])
 def test_step_peak_within_5_percent_gradient_and_residual_bytes_exact(runs, name):
-    """Issue 28: per step, against the planner for that step's tiers and kind (the first
+    """Per step, against the planner for that step's tiers and kind (the first
     iteration, a stable update step or one between updates), the most gradient bytes (the
     storage's own peak, also the grad_bytes_peak metric) and the most residual bytes
     (committed + staged) exactly, and the most bytes of everything the planner counts at one

@@ -80,7 +80,7 @@ def test_init_from_starts_another_tensor_parallel_layout(saved, stdlib_data):
 
 
 def test_tensor_parallel_2_to_1_with_no_load_optim(stdlib_data, tmp_path):
-    """TP 2 -> 1 (issue 11): another layout's optimizer shards do not fit, so --no-load-optim
+    """TP 2 -> 1: another layout's optimizer shards do not fit, so --no-load-optim
     resumes weights, iteration, data position and lr schedule; Adam starts at zero and GRPO with
     a new exact warm-up, which the run says. Measured: largest loss gap 2.83 % against the
     uninterrupted TP2 run (Adam restarting from zero moments at lr 3e-3), final validation

@@ -1,4 +1,4 @@
-"""A resume with flags that differ from the checkpoint's (issue 30 item 4), 2 gloo ranks.
+"""A resume with flags that differ from the checkpoint's, 2 gloo ranks.
 
 One checkpoint at iteration 8 of a 12-iteration run (SMALL_MODEL: lr 3e-3 -> 3e-4, cosine, 4 warm-up
 iterations, global batch 8), resumed four ways:

@@ -33,11 +33,11 @@ GROUP_ORDER = ["kill -9 of one rank", "Corrupt and truncated checkpoint files",
                "Unwritable and full checkpoint directories", "Invalid config fields",
                "NaN/Inf in a gradient of each tier", "A collective that never completes",
                "SIGTERM (SLURM preemption)", "Invalid config fields, field by field",
-               # issue 30 ("Never lose a run"), in its order
+               # "Never lose a run", in its order
                "Verified checkpoints are never overwritten", "One job per checkpoint directory",
                "kill -9 of the launcher", "Resume with changed flags", "A diverged run",
                "Damaged training data", "The metrics file"]
-# Issue 30's numbered cases: a row names the one it is evidence for (``table.row(..., case="30.1")``).
+# The numbered cases of "Never lose a run": a row names the one it is evidence for (``table.row(..., case="30.1")``).
 # 8 and 9 are about the suite itself: their outcome is the kill tests' and this document's.
 ISSUE_30 = [("30.1", "Verified checkpoints are never overwritten"),
             ("30.2", "One job per checkpoint directory"),
@@ -82,9 +82,9 @@ def _anchor(title: str) -> str:
 
 
 def _issue_30(results: Dict, rows: List[Dict]) -> List[str]:
-    """One line per case of issue 30: where its rows are and how they came out."""
+    """One line per case of "Never lose a run": where its rows are and how they came out."""
     outcomes, durations = results["outcomes"], results["durations"]
-    lines = ["## Never lose a run (issue 30): each case and its outcome", "",
+    lines = ["## Never lose a run: each case and its outcome", "",
              "| case | outcome in this session |", "|---|---|"]
     for case, title in ISSUE_30:
         mine = [r for r in rows if r.get("case") == case]

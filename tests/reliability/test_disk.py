@@ -177,7 +177,7 @@ def test_full_disk_then_resume_after_space_is_freed(reference, tmp_path, table):
         assert not list(ckpt.glob("*.tmp"))
     # The writer fails on every rank and every rank raises; rank 0 (the coordinator) holds each
     # rank's cause: ENOSPC, or torch.save's zip writer failing on it ("unexpected pos ..."), and
-    # says first that the disk is full (issue 30 item 7).
+    # says first that the disk is full.
     tail = (f"Free space on its filesystem or make it writable (or point --save elsewhere); its "
             f"latest complete checkpoint, iteration 4, is intact: resume with --load {ckpt}.")
     said0, said1 = errors.get(0, ""), errors.get(1, "")

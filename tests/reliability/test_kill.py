@@ -90,7 +90,7 @@ def test_kill_9_mid_save_then_resume(reference, tmp_path, table, victim, point):
         assert left == [f"iter_{k:07d}.tmp"]  # half-written, never mistaken for a checkpoint
         assert not (ckpt / left[0] / checkpointing.MANIFEST).exists()
     # A complete, verified directory the tracker does not name is resumed from, with a WARNING,
-    # never replaced (issue 30 item 1); a half-written one is ignored and replaced.
+    # never replaced; a half-written one is ignored and replaced.
     resumed_from = k if point == "tracker" else last
     n = _resume(tmp_path, reference, ckpt, resumed_from)
     table.row(GROUP, f"SIGKILL of rank {victim} inside the save of iteration {k} ({point} point: "

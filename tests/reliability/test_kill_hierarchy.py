@@ -1,4 +1,4 @@
-"""kill -9 of one rank in the hierarchy (issue 12): 4 ranks as two distributed-optimizer
+"""kill -9 of one rank in the hierarchy: 4 ranks as two distributed-optimizer
 instances of 2, GRPO between them with the stable tier synced only at its updates (every 4
 steps) and its delayed accumulators carried in between. A rank dies between two stable syncs:
 the job fails within a bounded time naming the rank, and the next job resumes from the last

@@ -1,4 +1,4 @@
-"""Never lose a run (issue 30): the cases its fixes were unit- or multiproc-tested for, run as a user
+"""Never lose a run: the cases its fixes were unit- or multiproc-tested for, run as a user
 runs them -- torchrun launch/pretrain_gpt.py, 2 ranks, the reference run's model (GRPO on) -- each
 recording what the run printed and did. (Items 2, 3, 5 and the full checkpoint disk of item 7 have
 their rows in test_one_job_per_dir.py, test_launcher_death.py, test_nonfinite.py, test_disk.py; a

@@ -67,7 +67,7 @@ def test_nan_and_inf_in_every_tier_skip_the_step_and_keep_state(stdlib_data, tmp
 
 
 
-# -- a diverged run stops (issue 30 item 5) ---------------------------------------------------------
+# -- a diverged run stops ---------------------------------------------------------
 # The issue's reproduction: the quickstart's tiny config on 2 ranks with a learning rate that blows
 # up. The loss is finite up to iteration 6 (3.7e9 at 5, 7.4e10 at 6) and NaN from iteration 7.
 TINY = os.path.join(REPO, "launch", "configs", "tiny.yaml")

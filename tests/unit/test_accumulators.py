@@ -1,5 +1,5 @@
 """DelayedAccumulators (--grpo-stable-mode delayed) in device memory and in the memory tier's
-store (host memory or SSD, issue 28 item 2): the same sums bit for bit through skipped steps and
+store (host memory or SSD): the same sums bit for bit through skipped steps and
 skipped updates, a checkpoint round trip, and between uses no accumulator resident beyond the
 read-ahead."""
 

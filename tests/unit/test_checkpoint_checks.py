@@ -68,7 +68,7 @@ def test_another_instance_count_is_refused_on_load_with_the_way_out():
         check_record("--load", "ck", {"model": hier}, flat)
 
 
-# -- which checkpoint --load resumes from; what a save may replace (issue 30 item 1) ---------------
+# -- which checkpoint --load resumes from; what a save may replace ---------------
 
 from megatron_grpo.training.safety import checkpoint_dirs  # noqa: E402
 from megatron_grpo.training.safety.checkpoint_dirs import USE_TRACKER, replace_problem, resume_decision, run_saves  # noqa: E402

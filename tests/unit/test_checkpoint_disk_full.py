@@ -1,4 +1,4 @@
-"""A checkpoint save that fills the disk says "no space left on <--save>" (issue 30 item 7),
+"""A checkpoint save that fills the disk says "no space left on <--save>",
 whether the kernel's ENOSPC reached us or torch.save's zip writer turned it into "unexpected pos
 704 vs 598". A real full filesystem: a small tmpfs (root only; skipped elsewhere)."""
 

@@ -1,4 +1,4 @@
-"""The CUDA model is built as Megatron-LM builds one (issue 27, item 1): initialised on the device,
+"""The CUDA model is built as Megatron-LM builds one: initialised on the device,
 with every fusion whose kernel is importable, and a start-up warning when attention is unfused at
 a sequence length where its S x S scores cost memory. CPU mode keeps its settings exactly.
 

@@ -1,5 +1,5 @@
 """The DDP, model and optimizer options Megatron users set: each carried or refused at install,
-naming the option (issue 27, item 6). The applied gradient under average_in_collective and the
+naming the option. The applied gradient under average_in_collective and the
 context-parallel group are checked on two gloo ranks in tests/multiproc/test_ddp_options_gloo.py."""
 
 from types import SimpleNamespace

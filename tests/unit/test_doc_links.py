@@ -1,6 +1,6 @@
 """Every relative link in the docs resolves: the file (or folder, or image) exists, and a
-``#anchor`` names a heading of the target, slugged as GitHub does. Docs move (issue 29 moved the
-studies out of docs/benchmarks.md); a link left behind must fail here, not for a reader."""
+``#anchor`` names a heading of the target, slugged as GitHub does. Docs move (the
+studies once moved out of docs/benchmarks.md); a link left behind must fail here, not for a reader."""
 
 import glob
 import os

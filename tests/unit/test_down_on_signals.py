@@ -1,5 +1,5 @@
 """megatron_grpo.bench.slurm_cluster.down_on_signals: SIGTERM or SIGINT to a process holding the local SLURM
-cluster takes the cluster down before the process dies of that signal (issue 29: an interrupted
+cluster takes the cluster down before the process dies of that signal (an interrupted
 suite left munged, slurmctld, both slurmd and two network namespaces running). A cluster double
 records its teardown; tests/multinode/test_slurm_cluster_sigterm.py does it with the real cluster."""
 

@@ -1,5 +1,5 @@
 """A monitoring step's compressed reduce-scatter reports D(q) to the health sums without a
-bucket-sized decoded copy (issue 27 item 2: on GPU that copy is 128 MB of fp32 per 128 MB
+bucket-sized decoded copy (on GPU that copy is 128 MB of fp32 per 128 MB
 bucket, made on the side stream inside backward and kept in its pool).
 
 The collective is run at dp = 8 with a stand-in for torch.distributed (the payload exchange

@@ -18,7 +18,7 @@ def _step(ef, key, g, c, dp, rank=0, commit=True, zero_index=None):
     payload = c.compress_rows(owed)
     ef.stage(key, grad, payload, rank, c, zero_index)
     # The residual is computed at stage time: the glue may free the whole gradient after the
-    # sync (issue 28), so nothing of it may be read at commit.
+    # sync, so nothing of it may be read at commit.
     assert not ef.references_grad(key)
     grad.fill_(float("nan"))
     (ef.commit if commit else ef.discard)()

@@ -22,7 +22,7 @@ def test_overlap_param_gather_is_refused_before_any_bucket_group_changes():
      r"rank 0: --grpo-compressor powersgd does not support --num-distributed-optimizer-instances 2"),
 ])
 def test_partial_distributed_optimizer_refuses_what_it_does_not_carry(ctrl_extra, message):
-    # The hierarchy (issue 12) is built for the quantisers; PowerSGD's factors would reach the
+    # The hierarchy is built for the quantisers; PowerSGD's factors would reach the
     # wrong ranks between instances.
     group = SimpleNamespace()
     ctrl = SimpleNamespace(units=[SimpleNamespace(group=group, index=0)], **ctrl_extra)

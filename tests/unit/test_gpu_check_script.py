@@ -183,7 +183,7 @@ def test_phase_e_device_analysis_with_the_planner_on_recorded_shapes():
     ex = common.Expect(echo=False)
     text = phase_e.analyze(ex, type("Ctx", (), {"facts": {}})(), runs)
     assert ex.status() == "PASS", ex.failures
-    # With gradients released per unit and int8 residuals (issue 28) the planner gives GRPO
+    # With gradients released per unit and int8 residuals the planner gives GRPO
     # less than the baseline's peak: 15,087 vs 15,793 MiB for these shapes.
     assert -800 * 2**20 < ex.numbers["planned_grpo_bytes"] - ex.numbers["planned_base_bytes"] < 0
     assert "GRPO" in text and "planned" in text
@@ -224,7 +224,7 @@ def test_fused_adam_check_fails_on_a_counter_per_streamed_unit():
     phase_b.analyze_fused_adam(ex, "double", _fused_run("p", 3.0, [6.0, 5.0, 4.0]),
                                _fused_run("o", 3.0, [6.0, 5.0, 4.0], offload=True))
     assert ex.status() == "PASS", ex.failures
-    ex = common.Expect(echo=False)  # issue 27 item 4: one increment per streamed unit
+    ex = common.Expect(echo=False)  # one increment per streamed unit
     phase_b.analyze_fused_adam(ex, "double", _fused_run("p", 3.0, [6.0, 5.0, 4.0]),
                                _fused_run("o", 63.0, [6.0, 5.0, 4.5], offload=True))
     assert ex.status() == "FAIL"

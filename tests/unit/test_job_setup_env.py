@@ -1,4 +1,4 @@
-"""CUDA_DEVICE_MAX_CONNECTIONS (issue 27, item 8): the launchers export 1 only where megatron-core
+"""CUDA_DEVICE_MAX_CONNECTIONS: the launchers export 1 only where megatron-core
 relies on it (tensor-parallel communication overlap, TP > 1), leave it unset at TP = 1, where one
 hardware queue would only hold GRPO's side stream behind the main one, and keep a value the user
 set themselves (saying what it costs). launch/slurm/job_setup.py plan decides; the batch script

@@ -37,7 +37,7 @@ def test_each_level_is_the_planner_total_plus_what_is_held_before_the_model():
     # first iteration, every unit full), so moving them does not lower it.
     assert peaks["stream+residuals+grads"] == peaks["stream+residuals"]
     # GRPO_SMALL's stable units are frozen: moving the stable tier alone keeps the update
-    # step's peak; delayed ones hold gradient sums that leave with it (issue 28 item 2).
+    # step's peak; delayed ones hold gradient sums that leave with it.
     assert peaks["stable"] == peaks["resident"]
     _, choice = mb.choose(_cfg(1000, "--grpo-stable-mode", "delayed", "--grpo-bucket-mb", "0.01"),
                           258, "unfused", 2, base)  # more than three stable units
@@ -82,7 +82,7 @@ def test_a_budget_needs_somewhere_to_move_state():
 
 
 def test_the_levels_follow_gradient_release_and_the_residual_dtype():
-    """Issue 28: the planned peaks are the planner's (the larger of the first iteration and the
+    """The planned peaks are the planner's (the larger of the first iteration and the
     steady step), so releasing gradients and storing residuals in int8 lower every level."""
     base = 300_000_000
 

@@ -1,4 +1,4 @@
-"""The --metrics-file JSONL is an append-only log (issue 30 item 7): a resumed run marks its
+"""The --metrics-file JSONL is an append-only log: a resumed run marks its
 segment, a fresh run appends after a run header instead of truncating, a rotation by
 copytruncate or rename leaves no NUL bytes and loses nothing, and a full disk drops records with
 one WARNING naming the path while training goes on."""

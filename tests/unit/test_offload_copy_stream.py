@@ -1,5 +1,5 @@
-"""The chunk store's copies on a dedicated copy stream, and its pool of host buffers (issue 27,
-item 5), checked on CPU with a stream double (tests/copy_stream_double.py) that defers work
+"""The chunk store's copies on a dedicated copy stream, and its pool of host buffers,
+checked on CPU with a stream double (tests/copy_stream_double.py) that defers work
 issued on a side stream until an event after it is waited for, as a GPU would run it later.
 
 What a GPU needs and these tests hold the store to:

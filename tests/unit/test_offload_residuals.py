@@ -21,7 +21,7 @@ def _owe_and_stage(ef, key, g, c, dp, rank):
     grad = g.clone()
     payload = c.compress_rows(ef.owed(key, grad).view(dp, -1))
     ef.stage(key, grad, payload, rank, c)
-    grad.fill_(float("nan"))  # freed after the sync (issue 28): stage has taken what it needs
+    grad.fill_(float("nan"))  # freed after the sync: stage has taken what it needs
     return payload
 
 

@@ -22,7 +22,7 @@ SMALL = dict(num_layers=2, hidden=96, heads=4, vocab=258, seq_length=64, micro_b
 # The three tiers and exact core that GRPO_SMALL pins (the defaults before the quality front).
 THREE_TIERS = dict(core_share=0.15, dynamic_share=0.65, stable_share=0.2, max_dynamic_share=0.7,
                    core_compressor="none")
-# fp32 residuals (the default before int8, issue 28): the hand checks below count 4 bytes each.
+# fp32 residuals (the default before int8): the hand checks below count 4 bytes each.
 SMALL_GRPO = GRPOConfig(enabled=True, bucket_mb=0.04, warmup_iters=6, retier_interval=8,
                         stable_interval=4, gvr_interval=4, residual_dtype="fp32", **THREE_TIERS)
 TWO_RANKS = ClusterSpec(nodes=1, gpus_per_node=2)
@@ -228,7 +228,7 @@ def test_offload_moves_the_streamed_state_less_two_units_or_the_stable_state_bet
 
 
 def test_delayed_accumulators_are_away_with_the_tier_but_for_three_units():
-    """Issue 28 item 2: the delayed stable tier's gradient sums leave with the memory tier (read
+    """the delayed stable tier's gradient sums leave with the memory tier (read
     back a few at a time, comm/accumulators.py), streamed or not."""
     import dataclasses
 
@@ -251,7 +251,7 @@ def test_delayed_accumulators_are_away_with_the_tier_but_for_three_units():
         assert with_tier.offloaded - same_frozen.offloaded == accum - 3 * largest
     assert frozen.grpo_memory.delayed_accumulators == 0
 
-# ------------------------------------------------------------ gradient release (issue 28)
+# ------------------------------------------------------------ gradient release
 from megatron_grpo.planner.grads import GradMoment, UnitGrads, grad_timeline, residual_bytes  # noqa: E402
 
 # Four units reached in this order, 100..400 elements, 2 ranks (fp32 shard = 2 bytes per

@@ -1,5 +1,4 @@
-"""docs/reliability.md is generated on request, never as a side effect of tests (issue 30 item
-9): a complete reliability session leaves the checkout as it was and its results outside it;
+"""docs/reliability.md is generated on request, never as a side effect of tests: a complete reliability session leaves the checkout as it was and its results outside it;
 tests/reliability/report.py turns them into the document.
 
 The suite's own hooks (tests/reliability/conftest.py) run for real, in a subprocess, on a copy

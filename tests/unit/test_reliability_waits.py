@@ -1,4 +1,4 @@
-"""The reliability suite waits on events, not on wall-clock budgets (issue 30 item 8): a job
+"""The reliability suite waits on events, not on wall-clock budgets: a job
 that keeps writing is waited for however long load makes it; one that writes nothing for the
 stall limit is a hang, killed and reported with its output."""
 

@@ -1,4 +1,4 @@
-"""Error-feedback residuals staged at once and stored in fp32, bf16 or int8 (issue 28, item 3).
+"""Error-feedback residuals staged at once and stored in fp32, bf16 or int8.
 
 ``stage`` computes r' = c - D(q) while the gradient buffer still holds c, so the megatron glue
 can free the bucket's gradient right after its sync: every test here overwrites the whole

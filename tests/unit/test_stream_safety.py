@@ -1,4 +1,4 @@
-"""No storage is freed while a side-stream kernel may still use it (issue 27, item 3).
+"""No storage is freed while a side-stream kernel may still use it.
 
 The stream double (tests/stream_double.py) stands in for CUDA streams and the caching allocator
 on CPU: it fails when a storage with a pending, unprotected use on another stream is freed, or
