@@ -18,7 +18,8 @@ from megatron_grpo.compute.flops import attention_flops  # noqa: E402
 from megatron_grpo.compute.plan import SampledBackward  # noqa: E402
 from megatron_grpo.hooks import RunHooks  # noqa: E402  (after the version gate, on purpose)
 from megatron_grpo.megatron import sampled_linear  # noqa: E402
-from megatron_grpo.megatron.bucket_group import GRPOBucketGroup, install  # noqa: E402
+from megatron_grpo.megatron.bucket_group import GRPOBucketGroup  # noqa: E402
+from megatron_grpo.megatron.bucket_install import install  # noqa: E402
 from megatron_grpo.megatron.ddp import GRPODistributedDataParallel  # noqa: E402
 from megatron_grpo.megatron.frozen_prefix import FrozenPrefix  # noqa: E402
 from megatron_grpo.megatron.optimizer import (GRPODistributedOptimizer, get_grpo_optimizer,  # noqa: E402

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_grpo.megatron.bucket_group import GRPOBucketGroup, install
+from megatron_grpo.megatron.bucket_group import GRPOBucketGroup
+from megatron_grpo.megatron.bucket_install import install
 from megatron_grpo.megatron.optimizer import get_grpo_optimizer
 from megatron_grpo.megatron.options import sum_scaling_factor
 
