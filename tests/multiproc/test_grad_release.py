@@ -90,13 +90,14 @@ FOUR_MICROBATCHES = ["--global-batch-size", "16"]  # micro 2 x dp 2 x 4
 
 @pytest.mark.parametrize("mode", [
     ["--grpo-stable-mode", "delayed"],
-    ["--grpo-stable-mode", "frozen", "--grpo-offload", "cpu"],
+    pytest.param(["--grpo-stable-mode", "frozen", "--grpo-offload", "cpu"], marks=pytest.mark.slow),
 ], ids=["delayed", "frozen-offload"])
 def test_host_accumulation_is_bit_identical_and_holds_a_few_units(stdlib_data, tmp_path, mode):
     """--grpo-grad-accumulation host over 4 micro-batches: the same losses bit for bit as the
     device's accumulation; every unit parked once per micro-batch before the last and folded
     back once; the device's gradient peak a few units, where the device's accumulation holds
-    every unit at once."""
+    every unit at once. (With the memory tier and two micro-batches the default suite runs it in
+    tests/multiproc/test_offload_training.py.)"""
     base = [*SMALL_MODEL, *GRPO_SMALL, "--data-path", stdlib_data, "--train-iters", "12",
             "--eval-interval", "1000", *FOUR_MICROBATCHES, "--grpo-grad-units-in-flight", "1", *mode]
     dev = train_and_read(tmp_path, "dev", 2, base, timeout=600)
