@@ -74,6 +74,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from megatron_grpo.comm.wire_checks import _device_message, _tensors_in
 from megatron_grpo.comm.wire_rules import C10D_RULES, FUNCOL_RULES, NOT_COUNTED, VIA_PRIMITIVES
 
 STRICT_ENV = "MEGATRON_GRPO_STRICT_COMM"
@@ -457,41 +458,6 @@ def _mark(wrapper, name, original):
     wrapper.__wrapped__ = original
     wrapper._wire_counted = True
     return wrapper
-
-
-def _tensors_in(arg, values):
-    """(name, tensor) for the tensors of a list argument, one level of nesting (lists of
-    output lists in all_gather_coalesced)."""
-    for i, v in enumerate(values):
-        if isinstance(v, torch.Tensor):
-            yield f"{arg}[{i}]", v
-        elif isinstance(v, (list, tuple)):
-            for j, w in enumerate(v):
-                if isinstance(w, torch.Tensor):
-                    yield f"{arg}[{i}][{j}]", w
-
-
-def _device_message(op, arg, dev, expected) -> str:
-    bound, served, group_name = expected
-    if bound is not None:
-        want, suggest = f"'{bound}'", str(bound)
-    else:
-        types = sorted(served or ())
-        want = " or ".join(f"'{t}'" for t in types) or "its backend's device"
-        suggest = "cpu" if "cpu" in types else (types[0] if types else "<the group's device>")
-    try:
-        rank = dist.get_rank()
-    except Exception:
-        rank = "?"
-    why = "" if dev.type != "meta" else (
-        " A meta tensor was created without an explicit device= (inside `with "
-        "torch.device('meta')`, which tests use to find such tensors).")
-    how = "" if bound is not None else (
-        " (pin it with wire_counter().bind_group_device(group, device))")
-    return (f"{op}: argument '{arg}' is on device '{dev}', but {group_name} communicates on "
-            f"{want}{how} (global rank {rank}).{why} Create the tensor with "
-            f"device={suggest!r} (e.g. torch.empty(..., device={suggest!r})) before handing it "
-            f"to {op}.")
 
 
 _AUDITED = False

@@ -119,7 +119,7 @@ def on_grad_ready(group, param) -> None:
     park each of its buckets. A hook that fires again after the park writes into storage
     allocated anew; the fold still adds the host's part, so the sum stays whole."""
     storage = group.grpo_storage
-    if storage is None or storage.host_accum is None or group.is_last_microbatch:
+    if getattr(storage, "host_accum", None) is None or group.is_last_microbatch:
         return
     ready = group.__dict__.setdefault("_grpo_microbatch_ready", {})
     ready[param] = ready.get(param, 0) + 1
@@ -134,7 +134,7 @@ def on_grad_ready(group, param) -> None:
 def fold_group(group) -> None:
     """The last micro-batch has produced the group's gradient: add the host's part back."""
     storage = group.grpo_storage
-    if storage is None or storage.host_accum is None:
+    if getattr(storage, "host_accum", None) is None:
         return
     group.__dict__.pop("_grpo_microbatch_ready", None)
     for b in group.buckets:

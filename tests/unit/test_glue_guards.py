@@ -4,7 +4,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_grpo.megatron.bucket_group import GRPOBucketGroup, install
+from megatron_grpo.megatron.bucket_group import GRPOBucketGroup
+from megatron_grpo.megatron.bucket_install import install
 
 
 def test_overlap_param_gather_is_refused_before_any_bucket_group_changes():

@@ -167,7 +167,7 @@ def test_a_layout_handed_to_ddp_is_recomputed_from_grpos_bucket_size(monkeypatch
 # -- 6. options of megatron 0.17-0.19, read with getattr ----------------------------------------
 def _install(ddp=None, tf=None):
     from megatron_grpo.grpo.config import GRPOConfig
-    from megatron_grpo.megatron.bucket_group import install
+    from megatron_grpo.megatron.bucket_install import install
 
     class Group:
         buckets = [SimpleNamespace(grad_data=torch.zeros(8))]
