@@ -123,7 +123,7 @@ def on_grad_ready(group, param) -> None:
         return
     ready = group.__dict__.setdefault("_grpo_microbatch_ready", {})
     ready[param] = ready.get(param, 0) + 1
-    golden = group.golden_per_param_grad_ready_counts or {}
+    golden = getattr(group, "golden_per_param_grad_ready_counts", None) or {}
     if len(ready) == len(group.params) and all(n >= golden.get(p, 1) for p, n in ready.items()):
         ready.clear()
         for b in group.buckets:
