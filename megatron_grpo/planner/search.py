@@ -11,13 +11,15 @@ answered for megatron's best setting and for GRPO's, searched the same way:
 * megatron's memory option: the DistributedOptimizer, Megatron-FSDP, or the DistributedOptimizer
   with ``optimizer_cpu_offload`` at the smallest fraction that fits (host RAM bounds it); each
   with fp32 or bf16 gradient buffers;
-* GRPO's: its memory tier off, on host RAM (``--grpo-offload cpu``) or on NVMe (``ssd``), with
-  the fp32 gradient buffer it runs on.
+* GRPO's: its memory tier off, on host RAM (``--grpo-offload cpu``) or on NVMe (``ssd``), the
+  core tier's state streamed too or not (``--grpo-offload-core``), gradients accumulated on the
+  device or in host memory (``--grpo-grad-accumulation host``), with the fp32 gradient buffer
+  it runs on.
 
 Memory per GPU comes from the planner's pieces, held to measured CPU runs
 (``megatron_grpo/planner/plan.py`` for the DistributedOptimizer and GRPO, ``peers.py`` for
 megatron's two options); host RAM and NVMe per node from the same state counts. The step time is
-a model (every rate a field of ``Rates``, none measured here): compute at an MFU, plus what each
+a model (every rate a field of ``Node``, none measured here): compute at an MFU, plus what each
 setting adds on top of it, each priced unhidden except where named:
 
 * the DistributedOptimizer: nothing on one NVLink node (its reduce-scatter hides under the
@@ -29,7 +31,9 @@ setting adds on top of it, each priced unhidden except where named:
 * Megatron-FSDP: its per-micro-batch gathers and reduce-scatters on NVLink, overlapped with the
   compute (the step is the larger of the two);
 * ``optimizer_cpu_offload``: the offloaded shard's fp32 gradients down and bf16 parameters up
-  over PCIe, and Adam on the host CPU.
+  over PCIe, and Adam on the host CPU;
+* GRPO's host accumulation: every micro-batch's fp32 gradients down over PCIe and the sum back
+  once, and every micro-batch but the last added on the host.
 
 A plan that fits but runs slowly says so: every winner carries its step time and the parts.
 """
