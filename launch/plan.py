@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --largest-model on one node: search TP, PP, sequence parallelism, "
                         "recompute, megatron's memory options (DistributedOptimizer, Megatron-FSDP, "
                         "optimizer_cpu_offload with its fraction; fp32 or bf16 gradients) and GRPO's "
-                        "(memory tier off, on host RAM, on NVMe) for the largest model of the "
+                        "(memory tier off, on host RAM or NVMe, core tier streamed or not, gradients "
+                        "accumulated on the device or the host) for the largest model of the "
                         "config's shape, each with a predicted step time; docs/planner.md")
     p.add_argument("--host-memory-gb", type=float, default=2000.0,
                    help="with --search: host RAM of the node, GB")

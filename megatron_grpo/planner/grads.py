@@ -331,8 +331,8 @@ def place(g, units: List[int], elements: Dict[str, float], shard: float, dp: int
           unit_residual: int = 0, unit_accumulator: int = 0, core: bool = False) -> None:
     """The memory tier's effect on ``g`` (a planner Memory of one rank) (megatron_grpo/offload/placement.py). Streaming:
     the dynamic and stable units' masters and moments (12 bytes per shard element; the core
-    units' too with ``core``) are away at the peak but for two units' worth. Without streaming only the stable tier's state moves,
-    and only between its updates (the peak, an update step, keeps it); a stable tier synced
+    units' too with ``core``) are away at the peak but for two units' worth. Without streaming
+    only the stable tier's state moves, and only between its updates (the peak, an update step, keeps it); a stable tier synced
     every step (--grpo-stable-mode compressed) has no such gap and stays resident.
     ``unit_residual``: bytes of the largest unit's residual (committed residuals away but for
     three of them; staged ones are counted resident). ``unit_accumulator``: bytes of the largest
