@@ -174,6 +174,42 @@ def _run_rank(worker, rank, port, queue):
     os._exit(0)
 
 
+def megatron_rank(rank, port, queue, body, world_size: int = 2, timeout_s: Optional[int] = None,
+                  seed: Optional[int] = None, **kwargs) -> None:
+    """A spawned rank of a test that runs megatron-core on CPU: a gloo group of ``world_size``
+    on loopback, megatron's parallel state (and, with ``seed``, its model-parallel RNG tracker,
+    which attention forks), then ``body(rank, **kwargs)``, whose dict goes on the queue with the
+    rank, or its traceback as "error" (a failing rank would otherwise leave the queue empty);
+    everything torn down. Use it through ``spawn_ranks(functools.partial(megatron_rank,
+    body=...))``."""
+    import datetime
+    import traceback
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from megatron_grpo.platform import select_platform
+
+    select_platform(force_cpu=True)
+    import torch.distributed as dist
+
+    extra = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, **extra)
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel()
+    if seed is not None:
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    out = {"rank": rank}
+    try:
+        out.update(body(rank, **kwargs))
+    except BaseException:
+        out["error"] = traceback.format_exc()
+    queue.put(out)
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
 def spawn_ranks(worker, nranks: int = 2, timeout: int = 120) -> list:
     """Run ``worker(rank, port, queue)`` in ``nranks`` spawned processes (a gloo group on
     loopback); returns what each put on the queue, in arrival order."""

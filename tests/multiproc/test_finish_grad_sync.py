@@ -14,41 +14,20 @@ cannot leave the other waiting in a collective. The gloo group has a short timeo
 a collective one rank skips fails the run instead of hanging it.
 """
 
+import functools
 import itertools
 
 import pytest
 
-from harness import spawn_ranks
+from harness import megatron_rank, spawn_ranks
 
 LAYERS, WIDTH = 4, 24  # one bucket group (bucket_size=None), as megatron's test_grad_sync
 CASES = list(itertools.product((False, True), repeat=3))  # distopt, overlap, average_in_collective
 IMPLS = ("megatron", "grpo")
 
 
-def _worker(rank, port, queue):
-    import datetime
-    import os
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from megatron_grpo.platform import select_platform
-
-    select_platform(force_cpu=True)
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
-    from megatron.core import parallel_state as ps
-
-    ps.initialize_model_parallel()
-    out = {"rank": rank}
-    try:
-        out["cases"] = {case: {impl: _run_case(rank, impl, *case) for impl in IMPLS} for case in CASES}
-    except BaseException:  # reported by the test (a failing rank would leave the queue empty)
-        import traceback
-
-        out["error"] = traceback.format_exc()
-    queue.put(out)
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
+def _cases(rank):
+    return {"cases": {case: {impl: _run_case(rank, impl, *case) for impl in IMPLS} for case in CASES}}
 
 
 def _build(impl, distopt, overlap, average):
@@ -175,7 +154,7 @@ def _finish_after_a_finish_that_raised(rank, buffer, group, params):
 
 @pytest.fixture(scope="module")
 def ranks():
-    results = spawn_ranks(_worker, 2, timeout=300)
+    results = spawn_ranks(functools.partial(megatron_rank, body=_cases, timeout_s=60), 2, timeout=300)
     for r in results:
         assert "error" not in r, r["error"]
     return sorted(results, key=lambda r: r["rank"])

@@ -11,34 +11,11 @@ with the 0.18 behaviour reproduced from its source; megatron/compat.py names bot
   every group): the second call must be a no-op; before, GRPO's override raised.
 """
 
-from harness import spawn_ranks
+import functools
+
+from harness import megatron_rank, spawn_ranks
 
 LAYERS, WIDTH, BUCKET = 3, 32, 1000  # a bucket group per layer
-
-
-def _worker(rank, port, queue):
-    import os
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from megatron_grpo.platform import select_platform
-
-    select_platform(force_cpu=True)
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    from megatron.core import parallel_state as ps
-
-    ps.initialize_model_parallel()
-    out = {"rank": rank}
-    try:
-        out.update(_run(rank))
-    except Exception:  # reported by the test (a failing rank would leave the queue empty)
-        import traceback
-
-        out["error"] = traceback.format_exc()
-    queue.put(out)
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 def _step_018(optimizer, threshold):
@@ -119,7 +96,7 @@ def _run(rank):
 
 
 def test_an_update_megatron_skips_after_the_finite_check_leaves_grpo_state_and_finish_is_once():
-    for r in spawn_ranks(_worker, 2, timeout=240):
+    for r in spawn_ranks(functools.partial(megatron_rank, body=_run), 2, timeout=240):
         assert "error" not in r, r["error"]
         assert r["second_finish"] == "no error"
         assert r["applied"] == [True, False, True]

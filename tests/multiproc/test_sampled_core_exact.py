@@ -8,37 +8,15 @@ output layer. The same batch runs exact (before tiering) and sampled (keep 0.3, 
 gradients); core's gradients must be the exact run's bit for bit.
 """
 
+import functools
+
 import pytest
 
-from harness import spawn_ranks
+from harness import megatron_rank, spawn_ranks
 
 
-def _worker(rank, port, queue):
-    import os
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from megatron_grpo.platform import select_platform
-
-    select_platform(force_cpu=True)
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", rank=rank, world_size=1)
-    from megatron.core import parallel_state as ps
-
-    ps.initialize_model_parallel()
-    from megatron.core import tensor_parallel
-
-    tensor_parallel.model_parallel_cuda_manual_seed(3)  # attention forks megatron's RNG tracker
-    out = {"rank": rank}
-    try:
-        out["cases"] = {name: _case(tiers) for name, tiers in CASES.items()}
-    except Exception as exc:  # reported by the test (a failing rank would leave the queue empty)
-        import traceback
-
-        out["error"] = traceback.format_exc() + repr(exc)
-    queue.put(out)
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
+def _cases(rank):
+    return {"cases": {name: _case(tiers) for name, tiers in CASES.items()}}
 
 
 CASES = {
@@ -106,7 +84,8 @@ def _case(tiers):
 
 @pytest.fixture(scope="module")
 def out():
-    [result] = spawn_ranks(_worker, 1, timeout=180)
+    [result] = spawn_ranks(functools.partial(megatron_rank, body=_cases, world_size=1, seed=3), 1,
+                           timeout=180)
     assert "error" not in result, result.get("error")
     return result
 

@@ -24,34 +24,9 @@ import re
 
 import pytest
 
-from harness import spawn_ranks
+from harness import megatron_rank, spawn_ranks
 
 LAYERS, WIDTH, BUCKET, STEPS = 4, 32, 1000, 4
-
-
-def _worker(rank, port, queue, release=False):
-    import os
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from megatron_grpo.platform import select_platform
-
-    select_platform(force_cpu=True)
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    from megatron.core import parallel_state as ps
-
-    ps.initialize_model_parallel()
-    out = {"rank": rank}
-    try:
-        out.update(_train(rank, release))
-    except BaseException:  # reported by the test (a failing rank would leave the queue empty)
-        import traceback
-
-        out["error"] = traceback.format_exc()
-    queue.put(out)
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 def _train(rank, release):
@@ -131,7 +106,7 @@ def _finishes(log):
 
 @pytest.mark.parametrize("release", [False, True], ids=["megatron-buffer", "release-window-1"])
 def test_offloaded_residuals_outlive_the_side_stream_add_and_syncs_finish_on_it(release):
-    for r in spawn_ranks(functools.partial(_worker, release=release), 2, timeout=240):
+    for r in spawn_ranks(functools.partial(megatron_rank, body=_train, release=release), 2, timeout=240):
         assert "error" not in r, r["error"]
         # The main stream's dependencies: the decoded events, and end_step's one join per step
         # (no collective's wait, no join per unit).
