@@ -145,39 +145,60 @@ def test_reused_pid_is_not_the_owner(tmp_path):
         lock.release()
 
 
-def test_another_boot_id_under_this_host_name_follows_the_heartbeat_rule(tmp_path):
+def _another_boot(tmp_path, sleeper, monkeypatch):
     # A reboot, or another machine of this name: the pid cannot be looked up (before: taken over
-    # at once as "rebooted", a live job's lock included). Fresh: refused; stale: taken over.
+    # at once as "rebooted", a live job's lock included).
     owner = replace(_owner_of(os.getpid()), boot_id="another-boot")
-    path = _write(tmp_path, owner, age_s=120)
-    host, boot = socket.gethostname(), save_lock.boot_id()
-    whose = (f"owner on host {host}, boot id another-boot, not this host's {boot} (rebooted since, or "
-             f"another machine of this name)")
-    with pytest.raises(SaveLockError) as err:
-        SaveLock(str(tmp_path)).acquire()
-    assert str(err.value) == _heartbeat_refusal(tmp_path, path, owner, whose, 120)
-    assert _token(path) == owner.token
-    _age(path, STALE_AFTER_S)
-    lock = SaveLock(str(tmp_path))
-    try:
-        assert lock.acquire().startswith(f"WARNING: --save {tmp_path}: took over {path}, left by "
-                                         f"{owner.describe()}: {whose}: not refreshed for ")
-        assert _token(path) == lock.me.token
-    finally:
-        lock.release()
+    whose = (f"owner on host {socket.gethostname()}, boot id another-boot, not this host's "
+             f"{save_lock.boot_id()} (rebooted since, or another machine of this name)")
+    return owner, _write(tmp_path, owner, age_s=120), whose
 
 
-def test_owner_in_another_pid_namespace_is_not_judged_by_its_pid(tmp_path, sleeper):
-    # A container sharing the host name (docker --network=host): its owner's pid means nothing
-    # here (no such process, as with this dead pid), so a live owner would look dead. Before:
-    # taken over at once. Now: refused while fresh, taken over once stale.
+def _dead_pid_owner(sleeper):
     owner = _owner_of(sleeper.pid)
     sleeper.kill()
     sleeper.wait()
-    path = _write(tmp_path, owner, age_s=120, pid_ns=OTHER_NS)
-    mine = os.readlink("/proc/self/ns/pid")
-    whose = (f"owner on host {socket.gethostname()}, in PID namespace {OTHER_NS}, not this process's {mine} "
-             f"(another container)")
+    return owner
+
+
+def _another_pid_namespace(tmp_path, sleeper, monkeypatch):
+    # A container sharing the host name (docker --network=host): its owner's pid means nothing
+    # here (no such process, as with this dead pid), so a live owner would look dead (before:
+    # taken over at once).
+    owner = _dead_pid_owner(sleeper)
+    whose = (f"owner on host {socket.gethostname()}, in PID namespace {OTHER_NS}, not this "
+             f"process's {os.readlink('/proc/self/ns/pid')} (another container)")
+    return owner, _write(tmp_path, owner, age_s=120, pid_ns=OTHER_NS), whose
+
+
+def _older_version(tmp_path, sleeper, monkeypatch):
+    # Written before the namespace was recorded: read (its owner named), but where its pid lives
+    # is unknown, so a dead-looking pid is not taken over while the lock is fresh.
+    owner = _dead_pid_owner(sleeper)
+    whose = (f"owner on host {socket.gethostname()}, PID namespace not recorded (a lock written "
+             f"by an older version)")
+    return owner, _write(tmp_path, owner, age_s=120, drop=("pid_ns",)), whose
+
+
+def _own_namespace_unreadable(tmp_path, sleeper, monkeypatch):
+    # This process cannot tell whether it shares the owner's pid space: the pid is not trusted.
+    owner = _dead_pid_owner(sleeper)
+    path = _write(tmp_path, owner, age_s=120)  # as this process writes it: its namespace recorded
+    monkeypatch.setattr(save_lock, "pid_namespace", lambda: "", raising=False)
+    whose = (f"owner on host {socket.gethostname()}, PID namespace unknown here (/proc/self/ns/pid "
+             f"cannot be read)")
+    return owner, path, whose
+
+
+@pytest.mark.parametrize("case", [_another_boot, _another_pid_namespace, _older_version,
+                                  _own_namespace_unreadable],
+                         ids=["another-boot", "another-pid-namespace", "older-version",
+                              "own-namespace-unreadable"])
+def test_an_owner_whose_pid_cannot_be_judged_follows_the_heartbeat_rule(tmp_path, sleeper, monkeypatch,
+                                                                        case):
+    """Where this process cannot look the owner's pid up, the lock's age decides: fresh,
+    refused naming why; stale, taken over with a warning naming the same."""
+    owner, path, whose = case(tmp_path, sleeper, monkeypatch)
     with pytest.raises(SaveLockError) as err:
         SaveLock(str(tmp_path)).acquire()
     assert str(err.value) == _heartbeat_refusal(tmp_path, path, owner, whose, 120)
@@ -188,46 +209,10 @@ def test_owner_in_another_pid_namespace_is_not_judged_by_its_pid(tmp_path, sleep
         assert lock.acquire().startswith(f"WARNING: --save {tmp_path}: took over {path}, left by "
                                          f"{owner.describe()}: {whose}: not refreshed for ")
         held = json.load(open(path))
-        assert held["token"] == lock.me.token and held["pid_ns"] == mine  # the new lock records it
+        assert held["token"] == lock.me.token
+        assert held["pid_ns"] == save_lock.pid_namespace()  # the new lock records its own
     finally:
         lock.release()
-
-
-def test_lock_of_an_older_version_without_pid_namespace_follows_the_heartbeat_rule(tmp_path, sleeper):
-    # Written before the namespace was recorded: read (its owner named), but where its pid lives
-    # is unknown, so a dead-looking pid is not taken over while the lock is fresh.
-    owner = _owner_of(sleeper.pid)
-    sleeper.kill()
-    sleeper.wait()
-    path = _write(tmp_path, owner, age_s=120, drop=("pid_ns",))
-    whose = (f"owner on host {socket.gethostname()}, PID namespace not recorded (a lock written by an "
-             f"older version)")
-    with pytest.raises(SaveLockError) as err:
-        SaveLock(str(tmp_path)).acquire()
-    assert str(err.value) == _heartbeat_refusal(tmp_path, path, owner, whose, 120)
-    assert _token(path) == owner.token
-    _age(path, STALE_AFTER_S)
-    lock = SaveLock(str(tmp_path))
-    try:
-        assert lock.acquire().startswith(f"WARNING: --save {tmp_path}: took over {path}, left by "
-                                         f"{owner.describe()}: {whose}: not refreshed for ")
-    finally:
-        lock.release()
-
-
-def test_unreadable_own_pid_namespace_follows_the_heartbeat_rule(tmp_path, sleeper, monkeypatch):
-    # This process cannot tell whether it shares the owner's pid space: the pid is not trusted.
-    owner = _owner_of(sleeper.pid)
-    sleeper.kill()
-    sleeper.wait()
-    path = _write(tmp_path, owner, age_s=120)  # as this process writes it: its namespace recorded
-    monkeypatch.setattr(save_lock, "pid_namespace", lambda: "", raising=False)
-    whose = (f"owner on host {socket.gethostname()}, PID namespace unknown here (/proc/self/ns/pid cannot "
-             f"be read)")
-    with pytest.raises(SaveLockError) as err:
-        SaveLock(str(tmp_path)).acquire()
-    assert str(err.value) == _heartbeat_refusal(tmp_path, path, owner, whose, 120)
-    assert _token(path) == owner.token
 
 
 def test_other_host_fresh_is_refused(tmp_path):
