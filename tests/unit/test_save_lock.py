@@ -199,6 +199,13 @@ def test_an_owner_whose_pid_cannot_be_judged_follows_the_heartbeat_rule(tmp_path
     """Where this process cannot look the owner's pid up, the lock's age decides: fresh,
     refused naming why; stale, taken over with a warning naming the same."""
     owner, path, whose = case(tmp_path, sleeper, monkeypatch)
+    held = _refused_fresh_taken_over_stale(tmp_path, path, owner, whose)
+    assert held["pid_ns"] == save_lock.pid_namespace()  # the new lock records its own
+
+
+def _refused_fresh_taken_over_stale(tmp_path, path, owner, whose: str) -> dict:
+    """The heartbeat rule on a lock 120 s old: refused naming ``whose``, the lock untouched;
+    then, aged past stale, taken over with a warning naming the same. Returns the new lock."""
     with pytest.raises(SaveLockError) as err:
         SaveLock(str(tmp_path)).acquire()
     assert str(err.value) == _heartbeat_refusal(tmp_path, path, owner, whose, 120)
@@ -210,7 +217,7 @@ def test_an_owner_whose_pid_cannot_be_judged_follows_the_heartbeat_rule(tmp_path
                                          f"{owner.describe()}: {whose}: not refreshed for ")
         held = json.load(open(path))
         assert held["token"] == lock.me.token
-        assert held["pid_ns"] == save_lock.pid_namespace()  # the new lock records its own
+        return held
     finally:
         lock.release()
 
@@ -366,18 +373,7 @@ def test_a_slurm_job_squeue_never_listed_follows_the_heartbeat_rule(tmp_path, sq
     _fake_squeue(squeue, out, err, rc)
     whose = ("owner on host node-b17, SLURM job 4242 not listed by squeue (ended, or not visible from here: "
              "another cluster's or another user's job)")
-    with pytest.raises(SaveLockError) as err_info:
-        SaveLock(str(tmp_path)).acquire()
-    assert str(err_info.value) == _heartbeat_refusal(tmp_path, path, owner, whose, 120)
-    assert _token(path) == owner.token
-    _age(path, STALE_AFTER_S)
-    lock = SaveLock(str(tmp_path))
-    try:
-        assert lock.acquire().startswith(f"WARNING: --save {tmp_path}: took over {path}, left by "
-                                         f"{owner.describe()}: {whose}: not refreshed for ")
-        assert _token(path) == lock.me.token
-    finally:
-        lock.release()
+    _refused_fresh_taken_over_stale(tmp_path, path, owner, whose)
 
 
 def _later_job(root) -> str:
