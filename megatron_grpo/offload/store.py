@@ -30,14 +30,14 @@ import time
 import warnings
 import zlib
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
 from .config import OffloadConfig
 from .copy_stream import CopyStream
 from .host_pool import HostPool
+from .chunk import OffloadChecksumError, OffloadIOError, _Chunk, _Clock, land  # noqa: F401  (re-exported)
 from .slot_file import (OffloadCapacityError, OffloadDirError, OffloadError, SlotFile,
                         StagingPool, align_up, host_tensor)
 
@@ -46,47 +46,6 @@ DIRECTIONS = ("device_to_cpu", "cpu_to_device", "to_ssd", "from_ssd")
 # Free pinned host buffers kept for the next evictions to host memory (CUDA). On CPU none are
 # kept: plain host memory is cheap to allocate, and a kept buffer is resident-set memory.
 HOST_POOL_BUFFERS = 8
-
-
-class OffloadIOError(OffloadError):
-    """A background move failed (disk full, I/O error ...); the chunk stayed where it was."""
-
-
-class OffloadChecksumError(OffloadError):
-    """A chunk read back from the file does not match the checksum taken when it was written."""
-
-
-@dataclass
-class _Chunk:
-    id: int
-    name: str
-    index: int
-    count: int  # chunks of this tensor
-    view: torch.Tensor  # uint8 view of the chunk's bytes in the registered tensor
-    location: str = "device"
-    host: Optional[torch.Tensor] = None
-    offset: Optional[int] = None  # file offset while on ssd
-    crc: Optional[int] = None
-    tail: Optional[cf.Future] = None  # the last move asked for; the next one chains behind it
-    shadow: bool = False  # on device, and its file extent still holds the same bytes
-
-    @property
-    def nbytes(self) -> int:
-        return self.view.numel()
-
-    def describe(self) -> str:
-        return (f"chunk {self.id} (tensor {self.name!r}, chunk {self.index + 1} of {self.count}, "
-                f"{self.nbytes} bytes)")
-
-
-class _Clock:
-    """A move's busy time, less what it spent waiting for the producer's kernels."""
-
-    def __init__(self):
-        self.excluded = 0.0
-
-    def exclude(self, seconds: float) -> None:
-        self.excluded += seconds
 
 
 class ChunkStore:
@@ -385,7 +344,7 @@ class ChunkStore:
             host = self._host.take(chunk.nbytes)
             if source == "device":
                 with self._timed("device_to_cpu", chunk.nbytes) as clock:
-                    self._copy(host, chunk.view, copy, clock)
+                    land(host, chunk.view, copy, clock)
             else:
                 self._read(chunk, host, None)
             self._commit(chunk, "cpu", host=host)
@@ -397,23 +356,11 @@ class ChunkStore:
         else:
             if source == "cpu":
                 with self._timed("cpu_to_device", chunk.nbytes) as clock:
-                    self._copy(chunk.view, chunk.host, copy, clock)
+                    land(chunk.view, chunk.host, copy, clock)
                 self._commit(chunk, "device", keep=target == "device+keep")
             else:
                 self._read(chunk, chunk.view, copy)
                 self._commit(chunk, "device", keep=target == "device+keep")
-
-    @staticmethod
-    def _copy(dst: torch.Tensor, src: torch.Tensor, copy: Optional[Tuple], clock: _Clock) -> None:
-        """dst <- src, landed when this returns. On a copy stream the worker waits for the
-        copy's events (its thread only); the time the stream waited for the producer's kernels
-        is not copy time."""
-        if copy is None:
-            dst.copy_(src)
-            return
-        stream, mark = copy
-        waited, _ = stream.run(dst, src, mark)
-        clock.exclude(waited)
 
     def _write(self, chunk: _Chunk, source: torch.Tensor, copy) -> None:
         nbytes, padded = chunk.nbytes, align_up(chunk.nbytes)
@@ -428,7 +375,7 @@ class ChunkStore:
                 f"{chunk.location}.")
         try:
             with self._staging.buffer() as buf, self._timed("to_ssd", padded) as clock:
-                self._copy(buf[:nbytes], source, copy, clock)  # landed before the checksum
+                land(buf[:nbytes], source, copy, clock)  # landed before the checksum
                 buf[nbytes:padded].zero_()  # padding is written too: never leak stale bytes
                 view = memoryview(buf.numpy())
                 crc = zlib.crc32(view[:nbytes])
@@ -454,7 +401,7 @@ class ChunkStore:
                     f"smartctl), move --grpo-offload-dir to another disk, and restart from the "
                     f"last checkpoint.")
             # Landed before the staging buffer goes back to the pool (the next read reuses it).
-            self._copy(into, buf[:nbytes], copy, clock)
+            land(into, buf[:nbytes], copy, clock)
 
     def _commit(self, chunk: _Chunk, location: str, host: Optional[torch.Tensor] = None,
                 offset: Optional[int] = None, crc: Optional[int] = None, keep: bool = False) -> None:
