@@ -16,6 +16,17 @@ from megatron_grpo.platform.ports import free_port  # noqa: F401  (tests import 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENTRY = os.path.join(REPO, "launch", "pretrain_gpt.py")
 
+
+def load_script(relpath: str, name: str):
+    """A script of the checkout (e.g. ``launch/plan.py``) imported as module ``name``, as tests
+    call its ``main`` or helpers without a subprocess."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, relpath))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 # Small enough for 2 CPU cores; hidden 96 makes megatron pad parameter starts (to 64 elements),
 # so the analytic byte check exercises the padding rules.
 SMALL_MODEL = ["--num-layers", "2", "--hidden-size", "96", "--num-attention-heads", "4",

@@ -12,12 +12,10 @@ of a locally trained tier's parameters, all 4 copies of the rest); the instances
 planner's to the byte; a resume in the middle of a period is bit-identical.
 """
 
-import importlib.util
-import os
 
 import pytest
 
-from harness import REPO, SMALL_MODEL, stop_and_resume, train_and_read
+from harness import SMALL_MODEL, load_script, stop_and_resume, train_and_read
 
 NODES = {"MEGATRON_GRPO_RANKS_PER_NODE": "2"}
 ITERS = 20
@@ -66,9 +64,7 @@ def test_copies_identical_inside_instances_and_across_them_after_each_full_sync(
 def test_bytes_between_instances_are_the_planners(run, stdlib_data):
     from megatron_grpo.planner.internode import internode
 
-    spec = importlib.util.spec_from_file_location("plan_cli", os.path.join(REPO, "launch", "plan.py"))
-    plan_cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plan_cli)
+    plan_cli = load_script("launch/plan.py", "plan_cli")
     model, cluster, grpo, _, _ = plan_cli.spec_from_flags(
         _args(stdlib_data), nodes=2, gpus_per_node=2, gpu_memory_gb=1.0, link_gbps=1.0, vocab=258,
         attention="unfused")

@@ -11,7 +11,6 @@ GRPO_SMALL tiers the units at iteration 9; iteration 12 is a stable update step;
 micro-batches per step keep every unit's gradient full until the last one's sync.
 """
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -19,14 +18,12 @@ import sys
 
 import pytest
 
-from harness import GRPO_SMALL, REPO, SMALL_MODEL, env, free_port, read_metrics
+from harness import GRPO_SMALL, REPO, SMALL_MODEL, env, free_port, load_script, read_metrics
 
 from megatron_grpo.planner.plan import plan, stage_activation_bytes, stage_kept_bytes
 
 # launch/plan.py reads training flags exactly as the planner CLI does.
-_spec = importlib.util.spec_from_file_location("plan_cli", os.path.join(REPO, "launch", "plan.py"))
-plan_cli = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(plan_cli)
+plan_cli = load_script("launch/plan.py", "plan_cli")
 
 COMMON = [*SMALL_MODEL, "--train-iters", "12", "--eval-iters", "0", "--eval-interval", "12"]
 # Llama-style layers on SMALL_MODEL's shape (tests/multiproc/test_llama_style.py).

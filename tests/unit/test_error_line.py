@@ -5,17 +5,11 @@ Under load, two ranks refusing the same run at the same moment produced
 unbuffered stderr (PYTHONUNBUFFERED=1, as the launchers run) writes the text and the newline
 separately, and the other rank's text landed in between."""
 
-import importlib.util
-import os
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from harness import load_script
 
 
 def _entry():
-    spec = importlib.util.spec_from_file_location("pretrain_gpt_entry", os.path.join(ROOT, "launch", "pretrain_gpt.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("launch/pretrain_gpt.py", "pretrain_gpt_entry")
 
 
 def test_error_line_is_one_write_with_its_newline(monkeypatch):

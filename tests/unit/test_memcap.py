@@ -3,12 +3,13 @@ dd) and launch/plan.py --largest-model. The cgroup tests make a real memory cgro
 cgroup v1 needed, as on this project's machines) and run real processes in it."""
 
 import dataclasses
-import importlib.util
 import os
 import subprocess
 import sys
 
 import pytest
+
+from harness import load_script
 
 from megatron_grpo.bench import cgroup
 from megatron_grpo.bench.memcap import find_largest, parse_dd
@@ -68,9 +69,7 @@ def test_nothing_fits_and_pipeline_multiples_and_bad_input():
 
 
 def test_plan_cli_prints_the_largest_model_and_refuses_a_reserve_above_the_memory(capsys):
-    spec = importlib.util.spec_from_file_location("plan_cli", os.path.join(REPO, "launch", "plan.py"))
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = load_script("launch/plan.py", "plan_cli")
     flags = ["--config", os.path.join(REPO, "launch", "configs", "mem100m.yaml"), "--nodes", "1",
              "--gpus-per-node", "2", "--gpu-memory-gb", "1.8", "--vocab-size", "258",
              "--attention", "unfused", "--largest-model", "--reserve-gb", "0.5"]

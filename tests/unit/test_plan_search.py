@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 
 import pytest
+
+from harness import load_script
 
 from megatron_grpo.grpo.config import GRPOConfig
 from megatron_grpo.offload.config import OffloadConfig
@@ -121,10 +122,7 @@ def test_search_beats_the_config_layout_and_prices_what_each_setting_adds():
 
 
 def _cli():
-    spec = importlib.util.spec_from_file_location("plan_cli", os.path.join(REPO, "launch", "plan.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("launch/plan.py", "plan_cli")
 
 
 def test_plan_cli_search_json_and_refusals(capsys):

@@ -5,10 +5,11 @@ tests/multiproc/test_planner_measured.py.
 """
 
 import dataclasses
-import importlib.util
 import os
 
 import pytest
+
+from harness import load_script
 
 from megatron_grpo.comm.analytic import ddp_bucket_numels
 from megatron_grpo.grpo.config import GRPOConfig
@@ -29,10 +30,7 @@ TWO_RANKS = ClusterSpec(nodes=1, gpus_per_node=2)
 
 
 def _load_cli():
-    spec = importlib.util.spec_from_file_location("plan_cli", os.path.join(REPO, "launch", "plan.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("launch/plan.py", "plan_cli")
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])

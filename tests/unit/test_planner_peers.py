@@ -3,10 +3,11 @@ the memory options beside GRPO's largest model (planner/peers.py, launch/plan.py
 --largest-model). Pure arithmetic: no process group, no model built."""
 
 import dataclasses
-import importlib.util
 import os
 
 import pytest
+
+from harness import load_script
 
 from megatron_grpo.comm.analytic import baseline_step_bytes, fp32_accumulation_step_bytes
 from megatron_grpo.grpo.config import GRPOConfig
@@ -84,9 +85,7 @@ def test_peers_size_their_busiest_stage_and_the_search_reads_them():
 def test_largest_model_on_gpt_8b_fsdp_then_cpu_offload_then_grpo_then_the_baseline(capsys):
     """launch/plan.py --largest-model, gpt_8b on one node of 8 x 80 GB (TP 2 x DP 4), GRPO with
     its memory tier: docs/results.md, "Largest model per GPU"."""
-    spec = importlib.util.spec_from_file_location("plan_cli", os.path.join(REPO, "launch", "plan.py"))
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = load_script("launch/plan.py", "plan_cli")
     assert cli.main(["--config", os.path.join(REPO, "launch", "configs", "gpt_8b.yaml"), "--nodes",
                      "1", "--largest-model", "--grpo", "--grpo-offload", "cpu"]) == 0
     out = capsys.readouterr().out

@@ -4,10 +4,11 @@ One small case against numbers worked out by hand; the link-aware decision on th
 (NVLink stays exact, 100 Gb/s Ethernet compresses, the eager codec never pays on NVLink); a
 slower link never makes GRPO's ratio worse; the closed-form break-even is where the rule flips."""
 
-import importlib.util
 import os
 
 import pytest
+
+from harness import load_script
 
 from megatron_grpo.grpo.config import GRPOConfig
 from megatron_grpo.planner.steptime import (CLUSTERS, EAGER, FUSED, GPU, Cluster, Codec, Link,
@@ -162,9 +163,7 @@ def test_the_rule_is_the_runtimes():
 
 def test_docs_carry_the_printed_table(capsys):
     """launch/plan.py --step-time prints the table docs/planner.md carries (both wire dtypes)."""
-    spec = importlib.util.spec_from_file_location("plan_cli", os.path.join(REPO, "launch", "plan.py"))
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = load_script("launch/plan.py", "plan_cli")
     with open(os.path.join(REPO, "docs", "planner.md")) as fh:
         docs = fh.read()
     for flags in ([], ["--step-time-grad-dtype", "fp32"]):
