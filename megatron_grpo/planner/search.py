@@ -100,18 +100,33 @@ class Node:
     """fp32 elements the node's CPUs add into an accumulator per second (a += b: 12 bytes of
     memory traffic each, ~120 GB/s), all ranks together."""
 
+    FLAGS = {"gpus": "--gpus-per-node", "gpu_memory_gb": "--gpu-memory-gb",
+             "host_memory_gb": "--host-memory-gb", "nvme_gb": "--nvme-gb", "reserve_gb": "--reserve-gb",
+             "host_reserve_gb": "--host-reserve-gb", "mfu": "--mfu", "pcie_gbs": "--pcie-gbs",
+             "nvme_gbs": "--nvme-gbs", "host_adam_per_s": "--host-adam-rate"}
+
+    def name(self, field_name: str) -> str:
+        """The field as launch/plan.py's flag where it is one, else as ``Node.<field>``."""
+        return self.FLAGS.get(field_name, f"Node.{field_name}")
+
     def validate(self) -> None:
-        for name in ("gpus",):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
-                raise ValueError(f"Node.{name} must be a positive integer")
+        if not isinstance(self.gpus, int) or self.gpus <= 0:
+            raise ValueError(f"{self.name('gpus')} must be a positive integer, got {self.gpus!r}")
         for f in dataclasses.fields(self):
             if f.name not in ("gpus", "reserve_gb", "host_reserve_gb") and not getattr(self, f.name) > 0:
-                raise ValueError(f"--{f.name.replace('_', '-')} must be > 0, got {getattr(self, f.name)!r}")
+                raise ValueError(f"{self.name(f.name)} must be > 0, got {getattr(self, f.name)!r}")
         if not 0 <= self.reserve_gb < self.gpu_memory_gb:
             raise ValueError(f"--reserve-gb must be >= 0 and below --gpu-memory-gb, got {self.reserve_gb}")
         if not 0 <= self.host_reserve_gb < self.host_memory_gb:
             raise ValueError(f"--host-reserve-gb must be >= 0 and below --host-memory-gb, "
                              f"got {self.host_reserve_gb}")
+
+    @property
+    def limits(self) -> Dict[str, float]:
+        """Bytes each resource offers model state: per GPU, host RAM and NVMe of the node."""
+        return {"gpu": self.gpu_memory_gb * 1e9,
+                "host": (self.host_memory_gb - self.host_reserve_gb) * 1e9,
+                "nvme": self.nvme_gb * 1e9}
 
 
 @dataclass(frozen=True)
@@ -315,16 +330,10 @@ def usage(model: ModelSpec, node: Node, s: Setting, grpo=None, offload=None,
 
 def fits(u: Usage, node: Node) -> Optional[str]:
     """None when ``u`` fits the node, else the first limit it exceeds."""
-    if u.gpu > node.gpu_memory_gb * 1e9:
-        return "gpu"
-    if u.host > (node.host_memory_gb - node.host_reserve_gb) * 1e9:
-        return "host"
-    if u.nvme > node.nvme_gb * 1e9:
-        return "nvme"
-    return None
+    return next((what for what, limit in node.limits.items() if getattr(u, what) > limit), None)
 
 
-def largest(model: ModelSpec, node: Node, s: Setting, measure: Callable[[int], Usage],
+def largest(node: Node, s: Setting, measure: Callable[[int], Usage],
             max_layers: int = 2048) -> Tuple[int, Optional[Usage], str]:
     """(largest layers, its usage, what one more step of PP layers exceeds), over multiples of
     PP: every limit grows with each layer, about linearly, so two sizes give a first guess;
@@ -338,12 +347,11 @@ def largest(model: ModelSpec, node: Node, s: Setting, measure: Callable[[int], U
             seen[layers] = (fits(u, node), u)
         return seen[layers]
 
-    limits = (node.gpu_memory_gb * 1e9, (node.host_memory_gb - node.host_reserve_gb) * 1e9,
-              node.nvme_gb * 1e9)
     a, b = 4 * step, 8 * step
     ua, ub = verdict(a)[1], verdict(b)[1]
     guess = float(max_layers)
-    for x, y, limit in zip((ua.gpu, ua.host, ua.nvme), (ub.gpu, ub.host, ub.nvme), limits):
+    for what, limit in node.limits.items():
+        x, y = getattr(ua, what), getattr(ub, what)
         if y > x:
             guess = min(guess, a + (limit - x) * (b - a) / (y - x))
     guess = min(max_layers, max(step, int(guess) // step * step))
@@ -389,8 +397,9 @@ def step_time(model: ModelSpec, node: Node, s: Setting, u: Usage, grpo=None) -> 
         flops += attention // 3  # the core attention's forward again
     bubble = 1 + (s.pp - 1) / m
     parts = {"compute": flops / s.pp * bubble / (node.peak_tflops * 1e12 * node.mfu)}
-    stage = max(range(s.pp), key=lambda st: sum(stage_param_numels(model, cluster, st)))
-    elements = sum(stage_param_numels(model, cluster, stage))
+    per_stage = [sum(stage_param_numels(model, cluster, st)) for st in range(s.pp)]
+    stage = max(range(s.pp), key=per_stage.__getitem__)  # the busiest stage sets the pace
+    elements = per_stage[stage]
     shard = elements / dp
     wire = lambda nbytes: nbytes / (node.nvlink_gbs * 1e9)  # noqa: E731
     if s.option == "fsdp" and dp > 1:
@@ -472,7 +481,7 @@ def search(model: ModelSpec, node: Node, grpo=None, offload=None,
     winners = []
     for s in only if only is not None else settings(model, node, grpo):
         measure = lambda layers, s=s: usage(_shaped(model, s, layers), node, s, grpo, offload, bucket)  # noqa: E731
-        layers, u, bound = largest(model, node, s, measure)
+        layers, u, bound = largest(node, s, measure)
         w = Winner(s, layers, 0, u or Usage(0, 0, 0), bound)
         if layers:
             sized = _shaped(model, s, layers)

@@ -80,12 +80,12 @@ def test_largest_is_the_boundary_and_names_the_limit():
     shaped = lambda n: dataclasses.replace(  # noqa: E731
         MODEL, num_layers=n, sequence_parallel=True, recompute_granularity="full",
         recompute_method="uniform", recompute_num_layers=1)
-    layers, u, bound = largest(MODEL, NODE, s, lambda n: usage(shaped(n), NODE, s))
+    layers, u, bound = largest(NODE, s, lambda n: usage(shaped(n), NODE, s))
     assert layers % 2 == 0 and layers > 0
     assert fits(usage(shaped(layers), NODE, s), NODE) is None
     assert fits(usage(shaped(layers + 2), NODE, s), NODE) == bound != "max_layers"
     tight = dataclasses.replace(NODE, host_memory_gb=5.0)
-    _, _, bound = largest(MODEL, tight, s, lambda n: usage(shaped(n), tight, s))
+    _, _, bound = largest(tight, s, lambda n: usage(shaped(n), tight, s))
     assert bound == "host"
 
 
@@ -142,6 +142,8 @@ def test_plan_cli_search_json_and_refusals(capsys):
     assert "--search sizes one node" in capsys.readouterr().err
     assert cli.main(argv + ["--host-memory-gb", "0.4"]) == 2
     assert "--host-reserve-gb" in capsys.readouterr().err
+    assert cli.main(argv + ["--host-adam-rate", "0"]) == 2  # named by its flag, not its field
+    assert "--host-adam-rate must be > 0, got 0.0" in capsys.readouterr().err
 
 
 def test_host_accumulation_and_streamed_core_leave_the_device_and_bill_the_host():
